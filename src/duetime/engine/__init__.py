@@ -1,0 +1,50 @@
+"""The continuous-batching scheduler model (vLLM V1 rules), batch-time models and forecasts.
+
+One implementation, used three ways: inside the SFS estimator (forecast TTFT from a snapshot),
+as the ground-truth instance of the cluster simulator, and as the clock of the emulated server.
+"""
+
+from duetime.engine.batch_time import MODELS, BatchTimeModel, Paper4, Sfs6, model_from_dict
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.fast import FastReplay, Segment
+from duetime.engine.forecasting import (
+    Forecast,
+    ForecastError,
+    Forecaster,
+    forecast,
+    forecaster,
+    replay,
+)
+from duetime.engine.profiles import Profile, load_profile, profile_names
+from duetime.engine.remaining import stop_length
+from duetime.engine.request import Request
+from duetime.engine.scheduler import EngineStuck, ReferenceEngine, StepRecord
+from duetime.engine.snapshot import ResidentRequest, Snapshot, SnapshotError
+
+__all__ = [
+    "MODELS",
+    "BatchTimeModel",
+    "EngineStuck",
+    "FastReplay",
+    "Forecast",
+    "ForecastError",
+    "Forecaster",
+    "Paper4",
+    "Profile",
+    "ReferenceEngine",
+    "Request",
+    "ResidentRequest",
+    "SchedulerConfig",
+    "Segment",
+    "Sfs6",
+    "Snapshot",
+    "SnapshotError",
+    "StepRecord",
+    "forecast",
+    "forecaster",
+    "load_profile",
+    "model_from_dict",
+    "profile_names",
+    "replay",
+    "stop_length",
+]

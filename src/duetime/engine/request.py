@@ -1,0 +1,46 @@
+"""One request's scheduling state, as vLLM's V1 scheduler sees it."""
+
+from __future__ import annotations
+
+
+class Request:
+    """Mutable per-request state (see ``shared/reference/vllm-v1-scheduler.md``).
+
+    ``prompt`` P, ``output`` O (tokens produced so far), ``stop`` T (the output length it stops
+    at: predicted in a forecast, true in a simulation), ``computed`` C, ``blocks`` B (KV blocks
+    held). ``first_token`` / ``finished`` are stamped with the end time of the step that made them.
+    """
+
+    __slots__ = ("arrival", "blocks", "computed", "finished", "first_token", "id", "output",
+                 "prompt", "stop")
+
+    def __init__(self, id: str, prompt: int, stop: int, *, output: int = 0, computed: int = 0,
+                 blocks: int = 0, arrival: float = 0.0) -> None:
+        self.id = id
+        self.prompt = prompt
+        self.stop = stop
+        self.output = output
+        self.computed = computed
+        self.blocks = blocks
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.finished: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt + self.output
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.output >= 1 and self.prompt + self.output - self.computed == 1
+
+    def copy(self) -> Request:
+        r = Request(self.id, self.prompt, self.stop, output=self.output, computed=self.computed,
+                    blocks=self.blocks, arrival=self.arrival)
+        r.first_token = self.first_token
+        r.finished = self.finished
+        return r
+
+    def __repr__(self) -> str:
+        return (f"Request({self.id!r}, P={self.prompt}, O={self.output}, T={self.stop}, "
+                f"C={self.computed}, B={self.blocks})")

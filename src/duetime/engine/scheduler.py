@@ -1,0 +1,210 @@
+"""The reference step loop: vLLM V1 continuous batching, one request at a time.
+
+This is the plain, readable statement of ``shared/reference/vllm-v1-scheduler.md`` and the oracle
+that the fast replay (``duetime.engine.fast``) is tested against. It is also the stepping engine
+for callers that want every step (traces, small simulations): add requests at step boundaries,
+call :meth:`ReferenceEngine.step`, read the :class:`StepRecord` it returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from duetime.engine.batch_time import BatchTimeModel
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.request import Request
+
+
+class EngineStuck(RuntimeError):
+    """Work is resident but no step can make progress (a request cannot fit in the KV cache)."""
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one step did. Times are the step's start and end on the engine clock."""
+
+    index: int
+    start: float
+    end: float
+    prefill: dict[str, int] = field(default_factory=dict)
+    decode: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    first_token: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def to_dict(self) -> dict:
+        return {"end": self.end, "duration": self.duration, "prefill": dict(self.prefill),
+                "decode": list(self.decode), "preempted": list(self.preempted)}
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """KV blocks that hold ``tokens`` tokens."""
+    return -(-tokens // block_size)
+
+
+class ReferenceEngine:
+    """One instance's scheduler, replayed step by step with explicit per-request state."""
+
+    def __init__(self, config: SchedulerConfig, model: BatchTimeModel, *, time: float = 0.0,
+                 running: Iterable[Request] = (), waiting: Iterable[Request] = (),
+                 free_blocks: int | None = None, steps: int = 0) -> None:
+        """Running requests hold ``ceil(computed / block_size)`` blocks each unless
+        ``free_blocks`` is given (a caller handing over exact state keeps its own count)."""
+        self.config = config
+        self.model = model
+        self.time = time
+        self.steps = steps
+        self.running: list[Request] = list(running)
+        self.waiting: deque[Request] = waiting if isinstance(waiting, deque) else deque(waiting)
+        if free_blocks is None:
+            held = 0
+            for r in self.running:
+                r.blocks = blocks_for(r.computed, config.block_size)
+                held += r.blocks
+            for r in self.waiting:
+                r.blocks = 0
+            free_blocks = config.num_gpu_blocks - held
+        else:
+            held = config.num_gpu_blocks - free_blocks
+        self.free_blocks = free_blocks
+        # What the last step left (read by the fast replay when it delegates a step here).
+        self.last_running_budget = 0   # budget left after the running phase
+        self.last_budget = 0           # budget left after the waiting phase
+        self.last_free_after = 0       # free blocks after all of the step's allocations
+        self.last_num_running = 0      # running requests after admission, before finishes
+        if self.free_blocks < 0:
+            raise ValueError(f"running requests hold {held} KV blocks but the instance has "
+                             f"only {config.num_gpu_blocks}")
+
+    # -- stepping API -------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request at the tail of the waiting queue (takes effect at the next step)."""
+        request.blocks = 0
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def step(self) -> StepRecord | None:
+        """Run one scheduler step; ``None`` when there is nothing to do."""
+        if self.idle:
+            return None
+        cfg = self.config
+        bs = cfg.block_size
+        cap = cfg.chunk_cap
+        max_len = cfg.max_model_len
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+        waiting = self.waiting
+        rec = StepRecord(self.steps, self.time, self.time)
+        scheduled: list[tuple[Request, int]] = []
+
+        # 1. Running requests, in order.
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = min(r.prompt + r.output - r.computed, cap, budget)
+            target = r.computed + n
+            need = blocks_for(target, bs) - r.blocks
+            ok = True
+            while self.free_blocks < need:
+                v = running.pop()
+                self.free_blocks += v.blocks
+                v.blocks = 0
+                v.computed = 0
+                waiting.appendleft(v)
+                rec.preempted.append(v.id)
+                if v is r:
+                    if not running:  # alone with every block free, and still too big
+                        raise EngineStuck(
+                            f"request {r.id!r} needs {blocks_for(target, bs)} KV blocks "
+                            f"for {target} tokens but the instance has {cfg.num_gpu_blocks}")
+                    ok = False
+                    break
+            if not ok:
+                break
+            self.free_blocks -= need
+            r.blocks += need
+            scheduled.append((r, n))
+            budget -= n
+            i += 1
+
+        self.last_running_budget = budget
+
+        # 2. Waiting requests, FCFS, only if nothing was preempted.
+        if not rec.preempted:
+            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                r = waiting[0]
+                n = min(r.prompt + r.output - r.computed, cap, budget)
+                need = blocks_for(r.computed + n, bs) - r.blocks
+                if self.free_blocks < need:
+                    break
+                waiting.popleft()
+                running.append(r)
+                self.free_blocks -= need
+                r.blocks += need
+                scheduled.append((r, n))
+                budget -= n
+
+        self.last_budget = budget
+        self.last_free_after = self.free_blocks
+        self.last_num_running = len(running)
+        if not scheduled and not rec.preempted:
+            raise EngineStuck(self._stuck_reason())
+
+        # 3. Execute: the batch-time model of the composition (exact integer features).
+        n_dec = n_pre = pre_sq = pre_attn = dec_ctx = len_sum = len_sq = 0
+        for r, n in scheduled:
+            c = r.computed
+            length = r.prompt + r.output
+            len_sum += length
+            len_sq += length * length
+            if r.output >= 1 and length - c == 1:
+                n_dec += 1
+                dec_ctx += c
+                rec.decode.append(r.id)
+            else:
+                n_pre += n
+                pre_sq += n * n
+                pre_attn += n * c + n * (n + 1) // 2
+                rec.prefill[r.id] = n
+        # A step that only preempted runs no model: it takes no time (as in vLLM).
+        end = self.time + (self.model.duration(n_dec, n_pre, pre_sq, pre_attn, dec_ctx,
+                                               len_sum, len_sq) if scheduled else 0.0)
+        rec.end = end
+
+        # 4. Apply at the step's end.
+        done = False
+        for r, n in scheduled:
+            r.computed += n
+            if r.computed == r.prompt + r.output:
+                r.output += 1
+                if r.output == 1:
+                    r.first_token = end
+                    rec.first_token.append(r.id)
+                if r.output >= r.stop or r.prompt + r.output >= max_len:
+                    r.finished = end
+                    self.free_blocks += r.blocks
+                    r.blocks = 0
+                    rec.finished.append(r.id)
+                    done = True
+        if done:
+            self.running = [r for r in running if r.finished is None]
+        self.time = end
+        self.steps += 1
+        return rec
+
+    def _stuck_reason(self) -> str:
+        head = self.waiting[0] if self.waiting else None
+        if head is not None:
+            return (f"request {head.id!r} needs more KV blocks than the instance can free "
+                    f"({self.free_blocks} free of {self.config.num_gpu_blocks})")
+        return "no running request can be scheduled"
