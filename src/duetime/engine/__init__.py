@@ -6,11 +6,10 @@ as the ground-truth instance of the cluster simulator, and as the clock of the e
 
 from duetime.engine.batch_time import MODELS, BatchTimeModel, Paper4, Sfs6, model_from_dict
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.fast import FastReplay, Segment
 from duetime.engine.forecasting import (
     Forecast,
-    ForecastError,
     Forecaster,
+    ForecastError,
     forecast,
     forecaster,
     replay,
@@ -25,7 +24,6 @@ __all__ = [
     "MODELS",
     "BatchTimeModel",
     "EngineStuck",
-    "FastReplay",
     "Forecast",
     "ForecastError",
     "Forecaster",
@@ -35,7 +33,6 @@ __all__ = [
     "Request",
     "ResidentRequest",
     "SchedulerConfig",
-    "Segment",
     "Sfs6",
     "Snapshot",
     "SnapshotError",

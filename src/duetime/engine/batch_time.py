@@ -1,8 +1,8 @@
 """Batch-time models: a step's duration as a linear function of its composition.
 
-Both models are linear in integer features of the batch, so the reference loop and the fast
-replay compute *the same integers* and the same float formula: their step durations agree to the
-last bit, and a stretch of identical decode steps sums in closed form (``stretch``).
+Both models are linear in integer features of the batch, so the reference loop and the compiled
+replay compute *the same integers* and the same float sum: their step durations agree to the
+last bit.
 
 Features of one batch (sums over the requests scheduled in the step):
 
@@ -24,25 +24,36 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class BatchTimeModel:
-    """Base class: a named feature set with coefficients (seconds per unit)."""
+    """Base class: a named feature set with coefficients (seconds per unit).
+
+    Every model is ``w0 + Σ w_i · feature_i`` over the seven features above, in that order;
+    :attr:`weights` gives ``(w0, w_n_dec, w_n_pre, w_pre_sq, w_pre_attn, w_dec_ctx, w_len_sum,
+    w_len_sq)``. The reference loop and the compiled replay evaluate exactly this sum, in this
+    order, so their step durations are bit-identical.
+    """
 
     name: ClassVar[str] = ""
     coefficient_names: ClassVar[tuple[str, ...]] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weights", self._weights())
+
+    def _weights(self) -> tuple[float, ...]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
     def duration(self, n_dec: int, n_pre: int, pre_sq: int, pre_attn: int, dec_ctx: int,
                  len_sum: int, len_sq: int) -> float:
         """Seconds for one non-empty step with these features."""
-        raise NotImplementedError  # pragma: no cover - abstract
+        w = self.weights  # type: ignore[attr-defined]
+        return (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
+                + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
 
-    def stretch(self, n: int, s1: int, s2: int, m: int) -> float:
-        """Seconds for ``m`` consecutive decode-only steps of ``n`` decoding requests.
-
-        At the first step the decoders' contexts sum to ``s1`` and their squares to ``s2``;
-        every step adds one token to each context.
-        """
-        raise NotImplementedError  # pragma: no cover - abstract
+    @property
+    def intercept(self) -> float:
+        """Fixed cost of a non-empty step."""
+        return self.weights[0]  # type: ignore[attr-defined]
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -52,7 +63,7 @@ class BatchTimeModel:
         return {"model": self.name, "coefficients": self.coefficients}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Paper4(BatchTimeModel):
     """SFS paper eq. 11: ``b0 + b1·Σ(pre+dec) + b2·Σ c·dec + b3·Σ(pre·c + pre(pre+1)/2)``."""
 
@@ -64,17 +75,11 @@ class Paper4(BatchTimeModel):
     name: ClassVar[str] = "paper4"
     coefficient_names: ClassVar[tuple[str, ...]] = ("b0", "b1", "b2", "b3")
 
-    def duration(self, n_dec: int, n_pre: int, pre_sq: int, pre_attn: int, dec_ctx: int,
-                 len_sum: int, len_sq: int) -> float:
-        return self.b0 + self.b1 * (n_pre + n_dec) + self.b2 * dec_ctx + self.b3 * pre_attn
-
-    def stretch(self, n: int, s1: int, s2: int, m: int) -> float:
-        # Σ_j (s1 + j·n) for j < m
-        ctx = m * s1 + n * (m * (m - 1) // 2)
-        return m * (self.b0 + self.b1 * n) + self.b2 * ctx
+    def _weights(self) -> tuple[float, ...]:
+        return (self.b0, self.b1, self.b1, 0.0, self.b3, self.b2, 0.0, 0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Sfs6(BatchTimeModel):
     """Released SFS code ("legacy"): ``c0 + cp·P + cpsq·Σpre² + cd·D + cs·ΣL + css·ΣL²``."""
 
@@ -88,19 +93,8 @@ class Sfs6(BatchTimeModel):
     name: ClassVar[str] = "sfs6"
     coefficient_names: ClassVar[tuple[str, ...]] = ("c0", "cp", "cpsq", "cd", "cs", "css")
 
-    def duration(self, n_dec: int, n_pre: int, pre_sq: int, pre_attn: int, dec_ctx: int,
-                 len_sum: int, len_sq: int) -> float:
-        return (self.c0 + self.cp * n_pre + self.cpsq * pre_sq + self.cd * n_dec
-                + self.cs * len_sum + self.css * len_sq)
-
-    def stretch(self, n: int, s1: int, s2: int, m: int) -> float:
-        # A decoder's L is its context + 1; at step j its context is c + j.
-        # Σ_j Σ_i (c_i + j + 1) and Σ_j Σ_i (c_i + j + 1)² for j < m, in exact integers.
-        tri = m * (m + 1) // 2
-        sq = m * (m + 1) * (2 * m + 1) // 6
-        lsum = m * s1 + n * tri
-        lsq = m * s2 + 2 * s1 * tri + n * sq
-        return m * (self.c0 + self.cd * n) + self.cs * lsum + self.css * lsq
+    def _weights(self) -> tuple[float, ...]:
+        return (self.c0, self.cd, self.cp, self.cpsq, 0.0, 0.0, self.cs, self.css)
 
 
 MODELS: dict[str, type[BatchTimeModel]] = {Paper4.name: Paper4, Sfs6.name: Sfs6}

@@ -6,29 +6,30 @@ until the probe's first token (or its finish), with no arrivals.
 Further probes of the same snapshot are cheap. Everything ahead of the probe evolves the same
 whatever its length: it is last in the waiting queue, and once admitted it is last in the
 running order, so it only takes budget nobody else wants and is the first to be preempted. So
-the :class:`Forecaster` replays the snapshot *without* a probe once (the base trajectory, as
-segments) and answers each probe from it: find the first step where the queue ahead has drained
-with budget, a seat and KV blocks left; then the probe takes, step by step, the budget the base
-left after its running requests, until its prompt is done. Its time is the base time plus its
-own batch-time terms (the models are additive over requests). If the base trajectory preempts
-after the probe would have been admitted, or runs the KV cache too short to hold the probe,
-the probe changes what others do, and the forecaster replays the snapshot with the probe
-instead (exact, just slower). The equivalence with the reference loop is tested.
+the :class:`Forecaster` replays the snapshot *without* a probe once (the base trajectory,
+recorded step by step and extended on demand) and answers each probe from the record: the
+first step where the queue ahead has drained with budget, a seat and KV blocks left admits it;
+after that it takes, step by step, the budget the base left after its running requests, until
+its prompt is done. Its time is the base time plus its own batch-time terms (the models are
+additive over requests). If the base preempts after the probe would have been admitted, or
+leaves too few KV blocks to hold the probe, the probe would change what others do, and the
+forecaster replays the snapshot with the probe instead (exact, just slower). Both paths are
+tested against the reference loop.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from duetime.engine.batch_time import BatchTimeModel
+import numpy as np
+
+from duetime.engine import kernel as kn
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.fast import FastReplay, Segment
 from duetime.engine.remaining import DEFAULT_SIGMA, stop_length
 from duetime.engine.request import Request
 from duetime.engine.scheduler import EngineStuck, ReferenceEngine, blocks_for
-from duetime.engine.snapshot import Snapshot
+from duetime.engine.snapshot import RequestTable, Snapshot
 
 Until = Literal["first_token", "finish"]
 PROBE_ID = "probe"
@@ -55,17 +56,19 @@ class Forecast:
         return d
 
 
-def _requests(snapshot: Snapshot, sigma: float) -> tuple[list[Request], list[Request]]:
-    """Fresh engine requests from a snapshot; stop lengths from the predictions."""
-    def make(r) -> Request:
-        return Request(r.id, r.prompt_tokens,
-                       stop_length(r.predicted_output_tokens, r.output_tokens, sigma),
-                       output=r.output_tokens, computed=r.computed_tokens, arrival=r.arrival)
-    return [make(r) for r in snapshot.running], [make(r) for r in snapshot.waiting]
+def _stops(table: RequestTable, sigma: float) -> np.ndarray:
+    """Stop lengths from the predictions (the conditional rule for requests past theirs)."""
+    stop = table.predicted
+    past = np.flatnonzero(table.output >= stop)
+    if past.size:
+        stop = stop.copy()
+        for i in past.tolist():
+            stop[i] = stop_length(int(table.predicted[i]), int(table.output[i]), sigma)
+    return stop
 
 
 def _probe_id(snapshot: Snapshot) -> str:
-    ids = {r.id for r in snapshot.running} | {r.id for r in snapshot.waiting}
+    ids = set(snapshot.running_table.ids) | set(snapshot.waiting_table.ids)
     pid = PROBE_ID
     i = 1
     while pid in ids:
@@ -74,65 +77,142 @@ def _probe_id(snapshot: Snapshot) -> str:
     return pid
 
 
+class _Prepared:
+    """The snapshot as replay arrays, with one spare row for a probe (built once, copied)."""
+
+    __slots__ = ("cfg", "clock", "ids", "n_run", "n_wait", "req", "run", "st", "w", "wq")
+
+    def __init__(self, snapshot: Snapshot, sigma: float) -> None:
+        cfg = snapshot.config
+        run, wait = snapshot.running_table, snapshot.waiting_table
+        n_run, n_wait = len(run), len(wait)
+        self.req, self.run, self.wq, held = kn.prepare(
+            run.prompt, run.computed, run.output, _stops(run, sigma), wait.prompt, wait.output,
+            _stops(wait, sigma), cfg.block_size)
+        free = cfg.num_gpu_blocks - held
+        if free < 0:
+            raise ForecastError(f"snapshot: the running requests hold {held} KV blocks but "
+                                f"num_gpu_blocks = {cfg.num_gpu_blocks}")
+        self.st = np.array([0, free, n_run, 0, n_wait], dtype=np.int64)
+        self.clock = np.array([snapshot.time])
+        self.cfg = np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
+                             cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks],
+                            dtype=np.int64)
+        self.w = np.array(snapshot.model.weights, dtype=np.float64)
+        self.ids = (run.ids, wait.ids)
+        self.n_run = n_run
+        self.n_wait = n_wait
+
+    def state(self, probe: tuple[int, int] | None) -> tuple:
+        """Fresh copies of the mutable arrays; ``probe`` = (prompt, stop) joins the queue."""
+        req = self.req.copy()
+        st = self.st.copy()
+        if probe is not None:
+            req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
+            st[kn.WC] += 1
+        stamps = np.full((req.shape[0], 2), np.nan)
+        return (req, stamps, self.run.copy(), self.wq.copy(), st, self.clock.copy(), self.cfg,
+                self.w)
+
+    def request_id(self, r: int, probe_id: str) -> str:
+        if r < self.n_run:
+            return self.ids[0][r]
+        if r < self.n_run + self.n_wait:
+            return self.ids[1][r - self.n_run]
+        return probe_id
+
+
+def _prepared(snapshot: Snapshot, sigma: float) -> _Prepared:
+    key = ("prepared", sigma)
+    got = snapshot._cache.get(key)
+    if got is None:
+        got = snapshot._cache[key] = _Prepared(snapshot, sigma)
+    return got
+
+
+def _kernel_error(code: int, detail: int, prep: _Prepared, probe_id: str, cfg: SchedulerConfig,
+                  max_steps: int, what: str) -> ForecastError:
+    if code == kn.STEP_CAP:
+        return ForecastError(f"replay did not reach {what} within {max_steps} steps")
+    if code == kn.TOO_BIG:
+        rid = prep.request_id(detail, probe_id)
+        return ForecastError(f"replay cannot progress: request {rid!r} needs more KV blocks "
+                             f"than the instance has ({cfg.num_gpu_blocks})")
+    if code == kn.STUCK:
+        return ForecastError("replay cannot progress: the waiting queue's head needs more KV "
+                             "blocks than can be freed")
+    return ForecastError(f"replay ended before {what} (code {code})")  # pragma: no cover
+
+
 def _check_probe(config: SchedulerConfig, prompt_tokens: int,
                  predicted_output_tokens: int | None, until: str) -> int:
     if until not in ("first_token", "finish"):
         raise ForecastError(f"until: must be 'first_token' or 'finish', got {until!r}")
-    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
+    if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int | np.integer) or (
+            prompt_tokens < 1):
         raise ForecastError(f"prompt_tokens: must be an integer >= 1, got {prompt_tokens!r}")
     if prompt_tokens >= config.max_model_len:
         raise ForecastError(f"prompt_tokens: {prompt_tokens} does not fit max_model_len "
                             f"{config.max_model_len}")
-    if blocks_for(prompt_tokens, config.block_size) > config.num_gpu_blocks:
+    if blocks_for(int(prompt_tokens), config.block_size) > config.num_gpu_blocks:
         raise ForecastError(f"prompt_tokens: {prompt_tokens} tokens need more KV blocks than "
                             f"the instance has ({config.num_gpu_blocks} x {config.block_size})")
     if until == "finish":
         if predicted_output_tokens is None:
             raise ForecastError("predicted_output_tokens: required when until='finish'")
         if (isinstance(predicted_output_tokens, bool)
-                or not isinstance(predicted_output_tokens, int) or predicted_output_tokens < 1):
+                or not isinstance(predicted_output_tokens, int | np.integer)
+                or predicted_output_tokens < 1):
             raise ForecastError("predicted_output_tokens: must be an integer >= 1, got "
                                 f"{predicted_output_tokens!r}")
-        return predicted_output_tokens
+        return int(predicted_output_tokens)
     return 1
 
 
 def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int | None = None,
            until: Until = "first_token", *, reference: bool = False, trace: bool = False,
            sigma: float = DEFAULT_SIGMA, max_steps: int = DEFAULT_MAX_STEPS) -> Forecast:
-    """Replay the snapshot with the probe appended, step by step or with the fast engine.
+    """Replay the snapshot with the probe appended, compiled or step by step.
 
-    ``reference=True`` (implied by ``trace``) uses the plain per-request loop: the oracle.
+    ``reference=True`` (implied by ``trace``) uses the plain per-request Python loop: the oracle.
     """
     stop = _check_probe(snapshot.config, prompt_tokens, predicted_output_tokens, until)
-    running, waiting = _requests(snapshot, sigma)
-    probe = Request(_probe_id(snapshot), prompt_tokens, stop, arrival=snapshot.time)
-    waiting.append(probe)
-    attr = "first_token" if until == "first_token" else "finished"
+    prompt_tokens = int(prompt_tokens)
+    pid = _probe_id(snapshot)
     t0 = snapshot.time
-    try:
-        if reference or trace:
-            eng = ReferenceEngine(snapshot.config, snapshot.model, time=t0, running=running,
-                                  waiting=waiting)
-            steps: list[dict[str, Any]] | None = [] if trace else None
+    what = f"the probe's {until}"
+    if reference or trace:
+        prep = _prepared(snapshot, sigma)
+        req = prep.req
+
+        def make(r: int) -> Request:
+            return Request(prep.request_id(r, pid), int(req[r, kn.PROMPT]), int(req[r, kn.STOP]),
+                           output=int(req[r, kn.OUTPUT]), computed=int(req[r, kn.COMP]))
+
+        probe = Request(pid, prompt_tokens, stop, arrival=t0)
+        eng = ReferenceEngine(snapshot.config, snapshot.model, time=t0,
+                              running=[make(r) for r in range(prep.n_run)],
+                              waiting=[*(make(r) for r in range(prep.n_run, prep.n_run
+                                                                + prep.n_wait)), probe])
+        attr = "first_token" if until == "first_token" else "finished"
+        steps: list[dict[str, Any]] | None = [] if trace else None
+        try:
             while getattr(probe, attr) is None:
                 if eng.steps >= max_steps:
-                    raise ForecastError(f"replay did not reach the probe's {until} within "
-                                        f"{max_steps} steps")
+                    raise ForecastError(f"replay did not reach {what} within {max_steps} steps")
                 rec = eng.step()
                 if steps is not None and rec is not None:
                     steps.append(rec.to_dict())
-            return Forecast(getattr(probe, attr) - t0, eng.steps, steps)
-        fast = FastReplay(snapshot.config, snapshot.model, time=t0, running=running,
-                          waiting=waiting)
-        while getattr(probe, attr) is None:
-            if fast.k >= max_steps:
-                raise ForecastError(f"replay did not reach the probe's {until} within "
-                                    f"{max_steps} steps")
-            fast.advance()
-        return Forecast(getattr(probe, attr) - t0, fast.k)
-    except EngineStuck as e:
-        raise ForecastError(f"replay cannot progress: {e}") from None
+        except EngineStuck as e:
+            raise ForecastError(f"replay cannot progress: {e}") from None
+        return Forecast(getattr(probe, attr) - t0, eng.steps, steps)
+    prep = _prepared(snapshot, sigma)
+    state = prep.state((prompt_tokens, stop))
+    code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
+    if code != kn.REACHED:
+        raise _kernel_error(code, detail, prep, pid, snapshot.config, max_steps, what)
+    stamps, st = state[1], state[4]
+    return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0, int(st[kn.K]))
 
 
 class Forecaster:
@@ -147,171 +227,131 @@ class Forecaster:
         self._cap = cfg.chunk_cap
         self._budget = cfg.max_num_batched_tokens
         self._bs = cfg.block_size
-        self._model: BatchTimeModel = snapshot.model
-        self._intercept = self._model.duration(0, 0, 0, 0, 0, 0, 0)
-        running, waiting = _requests(snapshot, sigma)
-        self._base = FastReplay(cfg, snapshot.model, time=snapshot.time, running=running,
-                                waiting=waiting)
-        self._segs: list[Segment] = []
-        # Probe tokens the base leaves after its running phase, summed over whole segments:
-        # _room[i] = Σ_{j<i} min(cap, running_budget_j) · m_j. Likewise squares and step counts.
-        self._room: list[int] = [0]
-        self._room_sq: list[int] = [0]
-        self._room_steps: list[int] = [0]
-        self._first_drained: int | None = None
+        self._model = snapshot.model
+        self._prep = _prepared(snapshot, sigma)
+        self._state = self._prep.state(None)
+        self._room = np.zeros(3, dtype=np.int64)  # see kernel.run_base
+        self._rec = np.empty((64, 3), dtype=np.int64)
+        self._cum = np.zeros((65, 4), dtype=np.int64)
+        self._rec_t = np.empty(64)
+        self._n = 0
         self._done = False
+        self._failed = False
 
     # -- the base trajectory --------------------------------------------------------------------
 
-    def _extend(self) -> bool:
-        """Replay one more base segment; ``False`` when the base has gone idle."""
+    def _extend(self, more: int) -> bool:
+        """Record base steps until the probe room since the queue first drained has grown by
+        ``more`` (> 0) tokens; ``False`` if the base had nothing more to do."""
         if self._done:
             return False
-        base = self._base
-        if base.k >= self.max_steps:
-            raise ForecastError(f"the snapshot's replay exceeded {self.max_steps} steps")
-        try:
-            seg = base.advance()
-        except EngineStuck as e:
-            raise ForecastError(f"replay cannot progress: {e}") from None
-        if seg is None:
+        n0 = self._n
+        target = int(self._room[0]) + max(more, 1)
+        while True:
+            code, n, _ = kn.run_base(*self._state, self._rec, self._cum, self._rec_t, self._n,
+                                     self._room, target, self.max_steps)
+            self._n = n
+            if code != kn.FULL:
+                break
+            grow = self._rec.shape[0]
+            self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
+            self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
+            self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
+        if code != kn.REACHED:
+            # Idle, or the base cannot go on (KV livelock, step cap): a probe that needs more
+            # than what was recorded runs alone after idle, or is replayed exactly.
             self._done = True
-            return False
-        i = len(self._segs)
-        self._segs.append(seg)
-        y = min(self._cap, seg.running_budget)
-        self._room.append(self._room[-1] + y * seg.m)
-        self._room_sq.append(self._room_sq[-1] + y * y * seg.m)
-        self._room_steps.append(self._room_steps[-1] + (seg.m if y > 0 else 0))
-        if self._first_drained is None and seg.drained:
-            self._first_drained = i
-        return True
-
-    def _segment(self, i: int) -> Segment | None:
-        while i >= len(self._segs):
-            if not self._extend():
-                return None
-        return self._segs[i]
-
-    def _end_of(self, seg: Segment, j: int) -> float:
-        """End time of the ``j``-th step (1-based) of a base segment."""
-        if j == seg.m:
-            return seg.t_end
-        n, s1, s2 = seg.decoders  # only stretches have m > 1
-        return seg.t_start + self._model.stretch(n, s1, s2, j)
+            self._failed = code != kn.IDLE
+        return n > n0
 
     # -- probes ---------------------------------------------------------------------------------
 
     def first_token(self, prompt_tokens: int) -> Forecast:
         """TTFT forecast for a probe of ``prompt_tokens`` tokens at the queue's tail."""
-        cfg = self.snapshot.config
-        _check_probe(cfg, prompt_tokens, None, "first_token")
-        p = prompt_tokens
+        _check_probe(self.snapshot.config, prompt_tokens, None, "first_token")
+        p = int(prompt_tokens)
         cap = self._cap
         bs = self._bs
 
-        # 1. Admission: the first segment whose first step drains the queue ahead with budget,
-        #    a seat and KV blocks for the probe's first chunk (within a stretch nothing improves).
-        i = self._first_drained
-        while i is None:
-            if not self._extend():
-                break
-            i = self._first_drained
-        seg = None
+        # 1. Admission: the first step that drains the queue ahead and leaves budget, a seat
+        #    and KV blocks for the probe's first chunk.
+        room = self._room
+        while not room[1] and self._extend(p):
+            pass
         x0 = 0
-        if i is not None:
+        s = int(room[2]) if room[1] else None
+        if s is not None:
+            need_flags = kn.DRAINED | kn.SEATS
             while True:
-                seg = self._segment(i)
-                if seg is None:
+                if s >= self._n and not self._extend(max(p, cap)):
+                    s = None
                     break
-                if seg.drained and seg.budget > 0 and seg.seats:
-                    x0 = min(p, cap, seg.budget)
-                    if blocks_for(x0, bs) <= seg.free_first:
+                la, free, flags = self._rec[s].tolist()
+                if flags & need_flags == need_flags and la > 0:
+                    x0 = min(p, cap, la)
+                    if blocks_for(x0, bs) <= free:
                         break
-                i += 1
-        if seg is None:  # the base went idle first: the probe runs alone from then on
-            return self._alone(p, 0, self._base.t, self._base.k, 0.0)
+                s += 1
+        if s is None:  # the base went idle first: the probe runs alone from then on
+            return self._replay(p) if self._failed else self._alone(p, 0, 0.0)
 
-        # 2. Progress: the rest of the admission segment, then whole segments, until done.
-        ia = i
+        # 2. Progress: the budget the base leaves after its running requests, step by step.
         rem = p - x0
         if rem == 0:
-            return self._finish(p, ia, 1, x0 * x0, 1, [ia])
-        y = min(cap, seg.running_budget)
-        within = y * (seg.m - 1)
-        if within >= rem:  # done inside the admission stretch
-            j = -(-rem // y)
-            last = rem - (j - 1) * y
-            sq = x0 * x0 + (j - 1) * y * y + last * last
-            return self._finish(p, ia, 1 + j, sq, 1 + j, [ia])
-        # Whole segments after ia: find the one where the room reaches what is left.
-        need = rem - within
-        sq0 = x0 * x0 + y * y * (seg.m - 1)
-        steps0 = 1 + (seg.m - 1 if y > 0 else 0)
-        base_room = self._room[ia + 1]
-        while self._room[-1] - base_room < need and self._extend():
+            return self._finish(p, s, x0 * x0, 1)
+        base = int(self._cum[s + 1, 0])
+        while int(self._cum[self._n, 0]) - base < rem and self._extend(
+                max(rem - (int(self._cum[self._n, 0]) - base), int(room[0]))):
             pass
-        ie = bisect_left(self._room, base_room + need) - 1
-        if ie < ia + 1 or ie >= len(self._segs):  # base went idle before the prompt was done
-            used = self._room[-1] - base_room
-            c = x0 + within + used
-            sq = sq0 + self._room_sq[-1] - self._room_sq[ia + 1]
-            nsteps = steps0 + self._room_steps[-1] - self._room_steps[ia + 1]
-            if not self._kv_ok(ia, len(self._segs) - 1, c):
-                return self._replay(p)
-            if any(self._segs[s].preempted for s in range(ia + 1, len(self._segs))):
-                return self._replay(p)
-            extra = self._model.duration(0, c, sq, c * (c + 1) // 2, 0, nsteps * p,
-                                         nsteps * p * p) - self._intercept
-            return self._alone(p, c, self._base.t, self._base.k, extra)
-        segE = self._segs[ie]
-        got = self._room[ie] - base_room
-        left = need - got
-        yE = min(cap, segE.running_budget)
-        j = -(-left // yE)
-        last = left - (j - 1) * yE
-        sq = (sq0 + self._room_sq[ie] - self._room_sq[ia + 1] + (j - 1) * yE * yE
-              + last * last)
-        nsteps = steps0 + self._room_steps[ie] - self._room_steps[ia + 1] + j
-        span = range(ia + 1, ie + 1)
-        if any(self._segs[s].preempted for s in span):
+        cum = self._cum
+        n = self._n
+        e = int(np.searchsorted(cum[:n + 1, 0], base + rem)) - 1
+        last = min(e, n - 1)
+        c_s = cum[s + 1].tolist()
+        c_last = cum[last + 1].tolist()
+        if c_last[3] - c_s[3]:
             return self._replay(p)
-        return self._finish(p, ie, j, sq, nsteps, [ia, *span])
-
-    def _kv_ok(self, first: int, last: int, tokens: int) -> bool:
-        """Did the base leave room for the probe's blocks in every segment of the span?"""
-        need = blocks_for(tokens, self._bs)
-        segs = self._segs
-        return all(segs[s].free_last >= need for s in range(first, last + 1))
-
-    def _finish(self, p: int, ie: int, j: int, sq: int, nsteps: int,
-                span: list[int]) -> Forecast:
-        """The probe's prompt completes in step ``j`` of segment ``ie``."""
-        segE = self._segs[ie]
-        if len(span) == 1 and j == 1:  # one step: the exact free count is known
-            if segE.free_first < blocks_for(p, self._bs):
+        if int(self._rec[s:last + 1, 1].min()) < blocks_for(p, bs):
+            return self._replay(p)  # KV may run short with the probe resident: replay exactly
+        if e >= n:  # the base went idle before the prompt was done
+            if self._failed:
                 return self._replay(p)
-        elif not self._kv_ok(span[0], span[-1], p):
-            return self._replay(p)
-        extra = self._model.duration(0, p, sq, p * (p + 1) // 2, 0, nsteps * p,
-                                     nsteps * p * p) - self._intercept
-        end = self._end_of(segE, j) + extra
-        return Forecast(end - self.snapshot.time, segE.k0 + j)
+            c = x0 + c_last[0] - base
+            sq = x0 * x0 + c_last[1] - c_s[1]
+            nsteps = 1 + c_last[2] - c_s[2]
+            return self._alone(p, c, self._marginal(p, c, sq, nsteps))
+        c_e = cum[e].tolist()
+        left = rem - (c_e[0] - base)
+        sq = x0 * x0 + c_e[1] - c_s[1] + left * left
+        nsteps = 2 + c_e[2] - c_s[2]
+        return self._finish(p, e, sq, nsteps)
 
-    def _alone(self, p: int, c: int, t: float, k: int, extra: float) -> Forecast:
-        """The probe has ``c`` of ``p`` tokens computed when the base goes idle at ``t``, step
-        ``k``; ``extra`` is its batch-time share so far. It runs alone from there."""
+    def _marginal(self, p: int, c: int, sq: int, nsteps: int) -> float:
+        """The probe's own batch-time terms: ``c`` prompt tokens computed from zero in
+        ``nsteps`` chunks whose squares sum to ``sq`` (the attention sum does not depend on
+        how the prompt was chunked: Σ pre·ctx + pre(pre+1)/2 = c(c+1)/2)."""
+        return self._model.duration(0, c, sq, c * (c + 1) // 2, 0, nsteps * p,
+                                    nsteps * p * p) - self._model.intercept
+
+    def _finish(self, p: int, e: int, sq: int, nsteps: int) -> Forecast:
+        """The probe's prompt completes in base step ``e``."""
+        end = float(self._rec_t[e]) + self._marginal(p, p, sq, nsteps)
+        return Forecast(end - self.snapshot.time, e + 1)
+
+    def _alone(self, p: int, c: int, extra: float) -> Forecast:
+        """The base is idle with ``c`` of the probe's ``p`` tokens computed and ``extra`` of
+        its batch time spent; it runs alone from there, full chunks per step."""
+        t = (float(self._rec_t[self._n - 1]) if self._n else self.snapshot.time) + extra
+        k = self._n
         rem = p - c
-        if rem == 0:  # cannot happen: the base was idle after the step that completed it
-            return Forecast(t + extra - self.snapshot.time, k)
         y = min(self._cap, self._budget)
         j = -(-rem // y)
         last = rem - (j - 1) * y
         sq = (j - 1) * y * y + last * last
         attn = p * (p + 1) // 2 - c * (c + 1) // 2
         own = self._model.duration(0, rem, sq, attn, 0, j * p, j * p * p) + (
-            (j - 1) * self._intercept)
-        return Forecast(t + extra + own - self.snapshot.time, k + j)
+            (j - 1) * self._model.intercept)
+        return Forecast(t + own - self.snapshot.time, k + j)
 
     def _replay(self, p: int) -> Forecast:
         return replay(self.snapshot, p, None, "first_token", sigma=self.sigma,

@@ -8,11 +8,12 @@ A snapshot is immutable, so what a forecast derives from it is computed once and
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
@@ -40,6 +41,37 @@ class ResidentRequest:
         return {"id": self.id, "prompt_tokens": self.prompt_tokens,
                 "computed_tokens": self.computed_tokens, "output_tokens": self.output_tokens,
                 "predicted_output_tokens": self.predicted_output_tokens, "arrival": self.arrival}
+
+
+class RequestTable:
+    """Resident requests column by column (numpy), the form the fast replay starts from."""
+
+    __slots__ = ("arrival", "computed", "ids", "output", "predicted", "prompt")
+
+    def __init__(self, ids: Sequence[str], prompt: Sequence[int], computed: Sequence[int],
+                 output: Sequence[int], predicted: Sequence[int],
+                 arrival: Sequence[float] | None = None) -> None:
+        self.ids = list(ids)
+        self.prompt = np.asarray(prompt, dtype=np.int64)
+        self.computed = np.asarray(computed, dtype=np.int64)
+        self.output = np.asarray(output, dtype=np.int64)
+        self.predicted = np.asarray(predicted, dtype=np.int64)
+        self.arrival = (np.zeros(len(self.ids)) if arrival is None
+                        else np.asarray(arrival, dtype=np.float64))
+
+    @classmethod
+    def of(cls, requests: Sequence[ResidentRequest]) -> RequestTable:
+        return cls([r.id for r in requests], [r.prompt_tokens for r in requests],
+                   [r.computed_tokens for r in requests], [r.output_tokens for r in requests],
+                   [r.predicted_output_tokens for r in requests], [r.arrival for r in requests])
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def requests(self) -> tuple[ResidentRequest, ...]:
+        return tuple(ResidentRequest(*row) for row in zip(
+            self.ids, self.prompt.tolist(), self.computed.tolist(), self.output.tolist(),
+            self.predicted.tolist(), self.arrival.tolist(), strict=True))
 
 
 # -- JSON schema (pydantic) ---------------------------------------------------------------------
@@ -96,17 +128,36 @@ def _format_error(err: ValidationError) -> str:
 class Snapshot:
     """An instance's scheduler config, batch-time model and resident requests at ``time``."""
 
-    __slots__ = ("__weakref__", "_cache", "config", "model", "running", "time", "waiting")
+    __slots__ = ("__weakref__", "_cache", "config", "model", "running_table", "time",
+                 "waiting_table")
 
     def __init__(self, config: SchedulerConfig, model: BatchTimeModel, *, time: float = 0.0,
-                 running: Sequence[ResidentRequest] = (),
-                 waiting: Sequence[ResidentRequest] = ()) -> None:
+                 running: Sequence[ResidentRequest] | RequestTable = (),
+                 waiting: Sequence[ResidentRequest] | RequestTable = ()) -> None:
         self.config = config
         self.model = model
         self.time = float(time)
-        self.running = tuple(running)
-        self.waiting = tuple(waiting)
+        self.running_table = running if isinstance(running, RequestTable) else (
+            RequestTable.of(running))
+        self.waiting_table = waiting if isinstance(waiting, RequestTable) else (
+            RequestTable.of(waiting))
         self._cache: dict[str, Any] = {}
+
+    @property
+    def running(self) -> tuple[ResidentRequest, ...]:
+        """Running requests in scheduler order."""
+        got = self._cache.get("running")
+        if got is None:
+            got = self._cache["running"] = self.running_table.requests()
+        return got
+
+    @property
+    def waiting(self) -> tuple[ResidentRequest, ...]:
+        """Waiting requests in queue order."""
+        got = self._cache.get("waiting")
+        if got is None:
+            got = self._cache["waiting"] = self.waiting_table.requests()
+        return got
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Snapshot:
@@ -126,16 +177,16 @@ class Snapshot:
         except ValueError as e:
             raise SnapshotError(str(e)) from None
 
-        def convert(items: list[_RequestIn], where: str) -> list[ResidentRequest]:
-            out = []
+        def convert(items: list[_RequestIn], where: str) -> RequestTable:
             for i, r in enumerate(items):
                 if r.status is not None and r.status != where:
                     raise SnapshotError(f"snapshot.{where}[{i}].status: {r.status!r} request "
                                         f"listed under {where!r}")
-                out.append(ResidentRequest(str(r.id), r.prompt_tokens, r.computed_tokens,
-                                           r.output_tokens, r.predicted_output_tokens,
-                                           r.arrival))
-            return out
+            return RequestTable([str(r.id) for r in items], [r.prompt_tokens for r in items],
+                                [r.computed_tokens for r in items],
+                                [r.output_tokens for r in items],
+                                [r.predicted_output_tokens for r in items],
+                                [r.arrival for r in items])
 
         snap = cls(config, model, time=s.time, running=convert(s.running, "running"),
                    waiting=convert(s.waiting, "waiting"))
@@ -154,40 +205,56 @@ class Snapshot:
     def check(self) -> None:
         """Cross-field consistency; raise :class:`SnapshotError` naming the field."""
         cfg = self.config
-        seen: set[str] = set()
-        held = 0
-        for where, items in (("running", self.running), ("waiting", self.waiting)):
-            for i, r in enumerate(items):
-                f = f"snapshot.{where}[{i}]"
-                if r.id in seen:
-                    raise SnapshotError(f"{f}.id: duplicate request id {r.id!r}")
-                seen.add(r.id)
-                total = r.prompt_tokens + r.output_tokens
-                if total >= cfg.max_model_len:
-                    raise SnapshotError(
-                        f"{f}: prompt_tokens + output_tokens = {total} reaches max_model_len "
-                        f"{cfg.max_model_len} (such a request has finished)")
-                if where == "running":
-                    if r.computed_tokens >= total:
-                        raise SnapshotError(
-                            f"{f}.computed_tokens: {r.computed_tokens} must be below "
-                            f"prompt_tokens + output_tokens = {total} (the last token is "
-                            f"computed in the next step)")
-                    held += -(-r.computed_tokens // cfg.block_size)
-                elif r.computed_tokens != 0:
-                    raise SnapshotError(
-                        f"{f}.computed_tokens: a waiting request holds no KV cache (recompute "
-                        f"preemption, no prefix caching), so it must be 0, got "
-                        f"{r.computed_tokens}")
-        if len(self.running) > cfg.max_num_seqs:
-            raise SnapshotError(f"snapshot.running: {len(self.running)} running requests exceed "
+
+        def first(where: str, mask: np.ndarray, field: str, why: Callable[[int], str]) -> None:
+            bad = np.flatnonzero(mask)
+            if bad.size:
+                i = int(bad[0])
+                raise SnapshotError(f"snapshot.{where}[{i}]{field}: {why(i)}")
+
+        run, wait = self.running_table, self.waiting_table
+        for where, tab in (("running", run), ("waiting", wait)):
+            total = tab.prompt + tab.output
+            first(where, tab.prompt < 1, ".prompt_tokens",
+                  lambda i, t=tab: f"must be >= 1, got {t.prompt[i]}")
+            first(where, tab.output < 0, ".output_tokens",
+                  lambda i, t=tab: f"must be >= 0, got {t.output[i]}")
+            first(where, tab.predicted < 1, ".predicted_output_tokens",
+                  lambda i, t=tab: f"must be >= 1, got {t.predicted[i]}")
+            first(where, tab.computed < 0, ".computed_tokens",
+                  lambda i, t=tab: f"must be >= 0, got {t.computed[i]}")
+            first(where, total >= cfg.max_model_len, "",
+                  lambda i, tot=total: f"prompt_tokens + output_tokens = {tot[i]} reaches "
+                  f"max_model_len {cfg.max_model_len} (such a request has finished)")
+            if where == "running":
+                first(where, tab.computed >= total, ".computed_tokens",
+                      lambda i, t=tab, tot=total: f"{t.computed[i]} must be below prompt_tokens "
+                      f"+ output_tokens = {tot[i]} (the last token is computed in the next step)")
+            else:
+                first(where, tab.computed != 0, ".computed_tokens",
+                      lambda i, t=tab: "a waiting request holds no KV cache (recompute "
+                      "preemption, no prefix caching), so it must be 0, got "
+                      f"{t.computed[i]}")
+        ids = run.ids + wait.ids
+        if len(set(ids)) != len(ids):
+            seen: set[str] = set()
+            for j, rid in enumerate(ids):
+                if rid in seen:
+                    where, i = ("running", j) if j < len(run) else ("waiting", j - len(run))
+                    raise SnapshotError(f"snapshot.{where}[{i}].id: duplicate request id "
+                                        f"{rid!r}")
+                seen.add(rid)
+        if len(run) > cfg.max_num_seqs:
+            raise SnapshotError(f"snapshot.running: {len(run)} running requests exceed "
                                 f"config.max_num_seqs = {cfg.max_num_seqs}")
+        held = int(((run.computed + (cfg.block_size - 1)) // cfg.block_size).sum())
         if held > cfg.num_gpu_blocks:
             raise SnapshotError(f"snapshot.running: the running requests hold {held} KV blocks "
                                 f"(ceil(computed_tokens / block_size) each) but "
                                 f"config.num_gpu_blocks = {cfg.num_gpu_blocks}")
 
     def to_dict(self) -> dict[str, Any]:
+        """The public JSON form."""
         return {"version": SNAPSHOT_VERSION, "time": self.time, "config": self.config.to_dict(),
                 "batch_time": self.model.to_dict(),
                 "running": [r.to_dict() for r in self.running],
@@ -195,4 +262,4 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return (f"Snapshot(time={self.time}, model={self.model.name}, "
-                f"running={len(self.running)}, waiting={len(self.waiting)})")
+                f"running={len(self.running_table)}, waiting={len(self.waiting_table)})")

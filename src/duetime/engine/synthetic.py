@@ -22,15 +22,17 @@ PROMPT_BINS: tuple[tuple[float, int, int], ...] = (
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
-    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+    return round(math.exp(rng.uniform(math.log(lo), math.log(hi))))
 
 
 def sample_prompt_tokens(rng: random.Random, max_tokens: int | None = None) -> int:
     """A prompt length from the released calibration mix."""
     u = rng.random() * sum(w for w, _, _ in PROMPT_BINS)
-    for w, lo, hi in PROMPT_BINS:
+    lo, hi = PROMPT_BINS[-1][1:]
+    for w, b_lo, b_hi in PROMPT_BINS:
         u -= w
         if u <= 0:
+            lo, hi = b_lo, b_hi
             break
     p = _log_uniform(rng, lo, hi)
     return min(p, max_tokens) if max_tokens else p
