@@ -20,16 +20,18 @@ tested against the reference loop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
 
 from duetime.engine import kernel as kn
+from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.remaining import DEFAULT_SIGMA, stop_length
+from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
 from duetime.engine.scheduler import EngineStuck, ReferenceEngine, blocks_for
-from duetime.engine.snapshot import RequestTable, Snapshot
+from duetime.engine.snapshot import Snapshot
 
 Until = Literal["first_token", "finish"]
 PROBE_ID = "probe"
@@ -56,17 +58,6 @@ class Forecast:
         return d
 
 
-def _stops(table: RequestTable, sigma: float) -> np.ndarray:
-    """Stop lengths from the predictions (the conditional rule for requests past theirs)."""
-    stop = table.predicted
-    past = np.flatnonzero(table.output >= stop)
-    if past.size:
-        stop = stop.copy()
-        for i in past.tolist():
-            stop[i] = stop_length(int(table.predicted[i]), int(table.output[i]), sigma)
-    return stop
-
-
 def _probe_id(snapshot: Snapshot) -> str:
     ids = set(snapshot.running_table.ids) | set(snapshot.waiting_table.ids)
     pid = PROBE_ID
@@ -77,65 +68,52 @@ def _probe_id(snapshot: Snapshot) -> str:
     return pid
 
 
-class _Prepared:
-    """The snapshot as replay arrays, with one spare row for a probe (built once, copied)."""
-
-    __slots__ = ("cfg", "clock", "ids", "n_run", "n_wait", "req", "run", "st", "w", "wq")
-
-    def __init__(self, snapshot: Snapshot, sigma: float) -> None:
-        cfg = snapshot.config
-        run, wait = snapshot.running_table, snapshot.waiting_table
-        n_run, n_wait = len(run), len(wait)
-        self.req, self.run, self.wq, held = kn.prepare(
-            run.prompt, run.computed, run.output, _stops(run, sigma), wait.prompt, wait.output,
-            _stops(wait, sigma), cfg.block_size)
-        free = cfg.num_gpu_blocks - held
-        if free < 0:
-            raise ForecastError(f"snapshot: the running requests hold {held} KV blocks but "
-                                f"num_gpu_blocks = {cfg.num_gpu_blocks}")
-        self.st = np.array([0, free, n_run, 0, n_wait], dtype=np.int64)
-        self.clock = np.array([snapshot.time])
-        self.cfg = np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
-                             cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks],
-                            dtype=np.int64)
-        self.w = np.array(snapshot.model.weights, dtype=np.float64)
-        self.ids = (run.ids, wait.ids)
-        self.n_run = n_run
-        self.n_wait = n_wait
-
-    def state(self, probe: tuple[int, int] | None) -> tuple:
-        """Fresh copies of the mutable arrays; ``probe`` = (prompt, stop) joins the queue."""
-        req = self.req.copy()
-        st = self.st.copy()
-        if probe is not None:
-            req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
-            st[kn.WC] += 1
-        stamps = np.full((req.shape[0], 2), np.nan)
-        return (req, stamps, self.run.copy(), self.wq.copy(), st, self.clock.copy(), self.cfg,
-                self.w)
-
-    def request_id(self, r: int, probe_id: str) -> str:
-        if r < self.n_run:
-            return self.ids[0][r]
-        if r < self.n_run + self.n_wait:
-            return self.ids[1][r - self.n_run]
-        return probe_id
+@lru_cache(maxsize=256)
+def _config_array(cfg: SchedulerConfig) -> np.ndarray:
+    return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
+                     cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks], dtype=np.int64)
 
 
-def _prepared(snapshot: Snapshot, sigma: float) -> _Prepared:
-    key = ("prepared", sigma)
-    got = snapshot._cache.get(key)
-    if got is None:
-        got = snapshot._cache[key] = _Prepared(snapshot, sigma)
-    return got
+@lru_cache(maxsize=256)
+def _weights_array(model: BatchTimeModel) -> np.ndarray:
+    return np.array(model.weights, dtype=np.float64)
 
 
-def _kernel_error(code: int, detail: int, prep: _Prepared, probe_id: str, cfg: SchedulerConfig,
-                  max_steps: int, what: str) -> ForecastError:
+def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None) -> tuple:
+    """Fresh replay arrays for the snapshot (see :mod:`kernel`); ``probe`` = (prompt, stop)
+    joins the queue's tail."""
+    cfg = snapshot.config
+    run, wait = snapshot.running_table, snapshot.waiting_table
+    req, stamps, running, wq, st, clock = kn.prepare(
+        run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
+        wait.predicted, cfg.block_size, cfg.num_gpu_blocks, sigma, snapshot.time)
+    if st[kn.FREE] < 0:
+        raise ForecastError(f"snapshot: the running requests hold "
+                            f"{cfg.num_gpu_blocks - int(st[kn.FREE])} KV blocks but "
+                            f"num_gpu_blocks = {cfg.num_gpu_blocks}")
+    if probe is not None:
+        req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
+        st[kn.WC] += 1
+    return (req, stamps, running, wq, st, clock, _config_array(cfg),
+            _weights_array(snapshot.model))
+
+
+def _request_id(snapshot: Snapshot, r: int, probe_id: str) -> str:
+    n_run, n_wait = len(snapshot.running_table), len(snapshot.waiting_table)
+    if r < n_run:
+        return snapshot.running_table.ids[r]
+    if r < n_run + n_wait:
+        return snapshot.waiting_table.ids[r - n_run]
+    return probe_id
+
+
+def _kernel_error(code: int, detail: int, snapshot: Snapshot, probe_id: str, max_steps: int,
+                  what: str) -> ForecastError:
+    cfg = snapshot.config
     if code == kn.STEP_CAP:
         return ForecastError(f"replay did not reach {what} within {max_steps} steps")
     if code == kn.TOO_BIG:
-        rid = prep.request_id(detail, probe_id)
+        rid = _request_id(snapshot, detail, probe_id)
         return ForecastError(f"replay cannot progress: request {rid!r} needs more KV blocks "
                              f"than the instance has ({cfg.num_gpu_blocks})")
     if code == kn.STUCK:
@@ -182,18 +160,18 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     t0 = snapshot.time
     what = f"the probe's {until}"
     if reference or trace:
-        prep = _prepared(snapshot, sigma)
-        req = prep.req
+        req = _state(snapshot, sigma)[0]
+        n_run, n_wait = len(snapshot.running_table), len(snapshot.waiting_table)
 
         def make(r: int) -> Request:
-            return Request(prep.request_id(r, pid), int(req[r, kn.PROMPT]), int(req[r, kn.STOP]),
-                           output=int(req[r, kn.OUTPUT]), computed=int(req[r, kn.COMP]))
+            return Request(_request_id(snapshot, r, pid), int(req[r, kn.PROMPT]),
+                           int(req[r, kn.STOP]), output=int(req[r, kn.OUTPUT]),
+                           computed=int(req[r, kn.COMP]))
 
         probe = Request(pid, prompt_tokens, stop, arrival=t0)
         eng = ReferenceEngine(snapshot.config, snapshot.model, time=t0,
-                              running=[make(r) for r in range(prep.n_run)],
-                              waiting=[*(make(r) for r in range(prep.n_run, prep.n_run
-                                                                + prep.n_wait)), probe])
+                              running=[make(r) for r in range(n_run)],
+                              waiting=[*(make(r) for r in range(n_run, n_run + n_wait)), probe])
         attr = "first_token" if until == "first_token" else "finished"
         steps: list[dict[str, Any]] | None = [] if trace else None
         try:
@@ -206,11 +184,10 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
         except EngineStuck as e:
             raise ForecastError(f"replay cannot progress: {e}") from None
         return Forecast(getattr(probe, attr) - t0, eng.steps, steps)
-    prep = _prepared(snapshot, sigma)
-    state = prep.state((prompt_tokens, stop))
+    state = _state(snapshot, sigma, (prompt_tokens, stop))
     code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
     if code != kn.REACHED:
-        raise _kernel_error(code, detail, prep, pid, snapshot.config, max_steps, what)
+        raise _kernel_error(code, detail, snapshot, pid, max_steps, what)
     stamps, st = state[1], state[4]
     return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0, int(st[kn.K]))
 
@@ -228,8 +205,7 @@ class Forecaster:
         self._budget = cfg.max_num_batched_tokens
         self._bs = cfg.block_size
         self._model = snapshot.model
-        self._prep = _prepared(snapshot, sigma)
-        self._state = self._prep.state(None)
+        self._state = _state(snapshot, sigma)
         self._room = np.zeros(3, dtype=np.int64)  # see kernel.run_base
         self._rec = np.empty((64, 3), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)

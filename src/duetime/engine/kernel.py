@@ -25,19 +25,10 @@ Layout (all int64 unless noted; request ``r`` is an index):
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-try:  # pragma: no cover - exercised by the import itself
-    if os.environ.get("DUETIME_NO_JIT"):
-        raise ImportError
-    from numba import njit
-except ImportError:  # pragma: no cover
-    def njit(*args, **kwargs):  # type: ignore[no-redef]
-        if args and callable(args[0]):
-            return args[0]
-        return lambda f: f
+from duetime.engine._jit import njit
+from duetime.engine.remaining import stop_length
 
 # req columns
 PROMPT, OUTPUT, STOP, COMP, BLOCKS, DONE = range(6)
@@ -63,9 +54,14 @@ PREEMPTED = 4
 
 
 @njit(cache=True, nogil=True)
-def prepare(r_prompt, r_comp, r_out, r_stop, w_prompt, w_out, w_stop, bs):  # pragma: no cover
-    """Replay arrays for a snapshot: running rows, then waiting rows, then one spare row (a
-    probe). Returns (req, run, wq, blocks held by the running requests)."""
+def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, num_blocks,
+            sigma, time):  # pragma: no cover - jit
+    """Replay state for a snapshot: running rows, then waiting rows, then one spare row (for a
+    probe). Stop lengths come from the predictions (:func:`stop_length`).
+
+    Returns (req, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests hold
+    more blocks than the instance has.
+    """
     n_run = r_prompt.shape[0]
     n_wait = w_prompt.shape[0]
     n = n_run + n_wait + 1
@@ -76,7 +72,7 @@ def prepare(r_prompt, r_comp, r_out, r_stop, w_prompt, w_out, w_stop, bs):  # pr
     for i in range(n_run):
         req[i, PROMPT] = r_prompt[i]
         req[i, OUTPUT] = r_out[i]
-        req[i, STOP] = r_stop[i]
+        req[i, STOP] = stop_length(r_pred[i], r_out[i], sigma)
         req[i, COMP] = r_comp[i]
         b = (r_comp[i] + bs - 1) // bs
         req[i, BLOCKS] = b
@@ -85,93 +81,135 @@ def prepare(r_prompt, r_comp, r_out, r_stop, w_prompt, w_out, w_stop, bs):  # pr
     for i in range(n_wait):
         req[n_run + i, PROMPT] = w_prompt[i]
         req[n_run + i, OUTPUT] = w_out[i]
-        req[n_run + i, STOP] = w_stop[i]
+        req[n_run + i, STOP] = stop_length(w_pred[i], w_out[i], sigma)
         wq[i] = n_run + i
     wq[n_wait] = n - 1
-    return req, run, wq, held
+    stamps = np.full((n, 2), np.nan)
+    st = np.zeros(5, dtype=np.int64)
+    st[FREE] = num_blocks - held
+    st[NRUN] = n_run
+    st[WC] = n_wait
+    clock = np.full(1, time)
+    return req, stamps, run, wq, st, clock
 
 
 @njit(cache=True, nogil=True)
-def step(req, stamps, run, wq, st, clock, cfg, w, sched, out):  # pragma: no cover - jit
-    """One scheduler step. ``out`` gets [lr, la, free_after, flags, victim].
+def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cover - jit
+    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` gets
+    [budget left after running phase, after admission, free blocks after allocation, flags,
+    victim]. Returns the number of scheduled requests, or STUCK / TOO_BIG.
 
-    Returns the number of scheduled requests, or STUCK / TOO_BIG.
+    One loop serves both phases: first the running requests in order (phase 0), then, if
+    nothing was preempted, the waiting queue FCFS (phase 1). A scheduled request's tokens are
+    counted in the batch features and applied at once: no later decision in the step reads it
+    again (preemption victims come from the unscheduled tail); blocks of requests that finish
+    are freed at the step's end.
     """
     budget = cfg[BUDGET]
     cap = cfg[CAP]
     bs = cfg[BS]
+    max_len = cfg[MAXLEN]
+    max_seqs = cfg[MAXSEQS]
     n_q = wq.shape[0]
     free = st[FREE]
     nrun = st[NRUN]
     wh = st[WH]
     wc = st[WC]
+    done = work[0]
+    first = work[1]
+    nd = 0
+    nf = 0
+    n_dec = 0
+    n_pre = 0
+    pre_sq = 0
+    pre_attn = 0
+    dec_ctx = 0
+    len_sum = 0
+    len_sq = 0
     ns = 0
     preempted = 0
-    # 1. running requests, in order
+    phase = 0
     i = 0
-    while i < nrun and budget > 0:
-        r = run[i]
-        n = req[r, PROMPT] + req[r, OUTPUT] - req[r, COMP]
+    while True:
+        if phase == 0:
+            if i >= nrun or budget <= 0:
+                out[0] = budget
+                if preempted > 0:
+                    break
+                phase = 1
+                continue
+            r = run[i]
+        else:
+            if wc == 0 or budget <= 0 or nrun >= max_seqs:
+                break
+            r = wq[wh]
+        c = req[r, COMP]
+        length = req[r, PROMPT] + req[r, OUTPUT]
+        n = length - c
         if n > cap:
             n = cap
         if n > budget:
             n = budget
-        need = (req[r, COMP] + n + bs - 1) // bs - req[r, BLOCKS]
-        ok = True
-        while free < need:
-            nrun -= 1
-            v = run[nrun]
-            free += req[v, BLOCKS]
-            req[v, BLOCKS] = 0
-            req[v, COMP] = 0
-            wh = (wh - 1) % n_q
-            wq[wh] = v
-            wc += 1
-            preempted += 1
-            if v == r:
-                if nrun == 0:
-                    out[4] = r
-                    return TOO_BIG
-                ok = False
+        need = (c + n + bs - 1) // bs - req[r, BLOCKS]
+        if phase == 0:
+            ok = True
+            while free < need:  # preempt the newest running request (maybe r itself)
+                nrun -= 1
+                v = run[nrun]
+                free += req[v, BLOCKS]
+                req[v, BLOCKS] = 0
+                req[v, COMP] = 0
+                wh = (wh - 1) % n_q
+                wq[wh] = v
+                wc += 1
+                preempted += 1
+                if v == r:
+                    if nrun == 0:
+                        out[4] = r
+                        return TOO_BIG
+                    ok = False
+                    break
+            if not ok:
+                out[0] = budget
                 break
-        if not ok:
-            break
-        free -= need
-        req[r, BLOCKS] += need
-        sched[ns, 0] = r
-        sched[ns, 1] = n
-        ns += 1
-        budget -= n
-        i += 1
-    out[0] = budget
-    # 2. waiting requests, FCFS, only if nothing was preempted
-    if preempted == 0:
-        while wc > 0 and budget > 0 and nrun < cfg[MAXSEQS]:
-            r = wq[wh]
-            n = req[r, PROMPT] + req[r, OUTPUT] - req[r, COMP]
-            if n > cap:
-                n = cap
-            if n > budget:
-                n = budget
-            need = (req[r, COMP] + n + bs - 1) // bs - req[r, BLOCKS]
+            i += 1
+        else:
             if free < need:
                 break
             wh = (wh + 1) % n_q
             wc -= 1
             run[nrun] = r
             nrun += 1
-            free -= need
-            req[r, BLOCKS] += need
-            sched[ns, 0] = r
-            sched[ns, 1] = n
-            ns += 1
-            budget -= n
+        free -= need
+        req[r, BLOCKS] += need
+        budget -= n
+        ns += 1
+        # batch features, then apply
+        len_sum += length
+        len_sq += length * length
+        if req[r, OUTPUT] >= 1 and length - c == 1:
+            n_dec += 1
+            dec_ctx += c
+        else:
+            n_pre += n
+            pre_sq += n * n
+            pre_attn += n * c + n * (n + 1) // 2
+        req[r, COMP] = c + n
+        if c + n == length:
+            o = req[r, OUTPUT] + 1
+            req[r, OUTPUT] = o
+            if o == 1:
+                first[nf] = r
+                nf += 1
+            if o >= req[r, STOP] or length + 1 >= max_len:
+                done[nd] = r
+                nd += 1
     out[1] = budget
     out[2] = free
     flags = 0
     if preempted == 0 and wc == 0:
         flags |= DRAINED
-    if nrun < cfg[MAXSEQS]:
+    if nrun < max_seqs:
         flags |= SEATS
     if preempted > 0:
         flags |= PREEMPTED
@@ -182,49 +220,21 @@ def step(req, stamps, run, wq, st, clock, cfg, w, sched, out):  # pragma: no cov
     if ns == 0 and preempted == 0:
         st[FREE] = free
         return STUCK
-    # 3. duration: the batch-time model of the composition (exact integer features)
-    n_dec = 0
-    n_pre = 0
-    pre_sq = 0
-    pre_attn = 0
-    dec_ctx = 0
-    len_sum = 0
-    len_sq = 0
-    for j in range(ns):
-        r = sched[j, 0]
-        n = sched[j, 1]
-        c = req[r, COMP]
-        length = req[r, PROMPT] + req[r, OUTPUT]
-        len_sum += length
-        len_sq += length * length
-        if req[r, OUTPUT] >= 1 and length - c == 1:
-            n_dec += 1
-            dec_ctx += c
-        else:
-            n_pre += n
-            pre_sq += n * n
-            pre_attn += n * c + n * (n + 1) // 2
+    # duration: the batch-time model of the composition (exact integer features)
     t_end = clock[0]
     if ns > 0:
         t_end += (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
                   + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
-    # 4. apply at the step's end
-    any_done = False
-    max_len = cfg[MAXLEN]
-    for j in range(ns):
-        r = sched[j, 0]
-        req[r, COMP] += sched[j, 1]
-        if req[r, COMP] == req[r, PROMPT] + req[r, OUTPUT]:
-            req[r, OUTPUT] += 1
-            if req[r, OUTPUT] == 1:
-                stamps[r, 0] = t_end
-            if req[r, OUTPUT] >= req[r, STOP] or req[r, PROMPT] + req[r, OUTPUT] >= max_len:
-                stamps[r, 1] = t_end
-                free += req[r, BLOCKS]
-                req[r, BLOCKS] = 0
-                req[r, DONE] = 1
-                any_done = True
-    if any_done:
+    # stamps; finished requests leave at the step's end
+    for j in range(nf):
+        stamps[first[j], 0] = t_end
+    if nd > 0:
+        for j in range(nd):
+            r = done[j]
+            stamps[r, 1] = t_end
+            free += req[r, BLOCKS]
+            req[r, BLOCKS] = 0
+            req[r, DONE] = 1
         m = 0
         for j in range(nrun):
             r = run[j]
@@ -242,7 +252,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, sched, out):  # pragma: no cov
 def run_probe(req, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
               max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
-    sched = np.empty((run.shape[0], 2), dtype=np.int64)
+    work = np.empty((2, run.shape[0]), dtype=np.int64)
     out = np.zeros(5, dtype=np.int64)
     col = 1 if until_finish else 0
     while np.isnan(stamps[probe, col]):
@@ -250,7 +260,7 @@ def run_probe(req, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
             return STEP_CAP, 0
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, sched, out)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
         if got < 0:
             return got, out[4]
     return REACHED, 0
@@ -268,7 +278,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
     ``room`` = [y summed from the first drained step on, 1 once drained, first drained step].
     Returns (code, recorded count, detail).
     """
-    sched = np.empty((run.shape[0], 2), dtype=np.int64)
+    work = np.empty((2, run.shape[0]), dtype=np.int64)
     out = np.zeros(5, dtype=np.int64)
     cap = cfg[CAP]
     while True:
@@ -280,7 +290,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
             return FULL, n_rec, 0
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, sched, out)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]

@@ -1,0 +1,117 @@
+"""How fast is a TTFT forecast? Microseconds per forecast by snapshot size, beside the oracle.
+
+For each setting, snapshots with paper-like request lengths are built with
+``Snapshot.from_dict`` (as an exporter's JSON would arrive), then timed in one run:
+
+* ``from_dict``: parsing and validating the JSON form;
+* ``first``: the first ``duetime.forecast`` of a snapshot (probe of 1000 tokens) — everything
+  included: the replay arrays, the base replay of its workload, the probe;
+* ``further``: later probes of the same snapshot with other prompt lengths (16 .. 32768);
+* ``kernel``: one full compiled replay with the probe (what a fallback or ``until="finish"``
+  costs);
+* ``oracle``: the plain per-request Python step loop (``replay(..., reference=True)``) on the
+  same snapshot and probe.
+
+Medians over snapshots (and probes); ``p90`` of ``first`` shows the spread. The targets (DESIGN):
+first <= 100 us and further <= 10 us on 200 running / 20 waiting; the released SFS C++
+simulator takes ~1e-4 s per forecast.
+
+    python benchmarks/forecast_speed.py [--snapshots N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+from duetime.engine import Paper4, SchedulerConfig, Snapshot, forecast, load_profile, replay
+from duetime.engine.synthetic import paper_like_snapshot
+
+FURTHER = (16, 512, 2048, 8192, 32768)
+
+
+def _us(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e6
+
+
+def _p90(samples: list[float]) -> float:
+    return sorted(samples)[int(0.9 * (len(samples) - 1))] * 1e6
+
+
+def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int,
+            kv_factor: float | None = None) -> dict:
+    """``kv_factor``: size the KV cache at this multiple of what the running requests hold
+    (tight caches make the replay preempt), instead of 100000 blocks."""
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(256, n_running + 1),
+                          max_model_len=131072, block_size=16, num_gpu_blocks=10_000_000)
+    rows: dict[str, list[float]] = {k: [] for k in
+                                    ("from_dict", "first", "further", "kernel", "oracle")}
+    steps = []
+    for seed in range(n_snapshots):
+        d = paper_like_snapshot(random.Random(seed), model, n_running=n_running,
+                                n_waiting=n_waiting, config=cfg).to_dict()
+        held = sum(-(-r["computed_tokens"] // 16) for r in d["running"])
+        d["config"]["num_gpu_blocks"] = (int(held * kv_factor) + 16 if kv_factor
+                                         else max(100_000, held))
+        t = time.perf_counter()
+        snap = Snapshot.from_dict(d)
+        rows["from_dict"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        f = forecast(snap, 1000)
+        rows["first"].append(time.perf_counter() - t)
+        steps.append(f.steps)
+        for p in FURTHER:
+            t = time.perf_counter()
+            forecast(snap, p)
+            rows["further"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        replay(snap, 1000)
+        rows["kernel"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        replay(snap, 1000, reference=True)
+        rows["oracle"].append(time.perf_counter() - t)
+    return {"rows": rows, "steps": statistics.median(steps)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--snapshots", type=int, default=30, help="snapshots per setting")
+    ap.add_argument("--quick", action="store_true", help="fewer settings and snapshots")
+    args = ap.parse_args()
+    n = 8 if args.quick else args.snapshots
+
+    sfs6 = load_profile("qwen3-8b").model
+    paper4 = Paper4(b0=0.004, b1=2.0e-5, b2=5.0e-8, b3=1.0e-9)
+    # Compile (or load the cached) kernel before timing anything.
+    forecast(paper_like_snapshot(random.Random(0), sfs6, n_running=4, n_waiting=2), 100)
+    replay(paper_like_snapshot(random.Random(0), sfs6, n_running=4, n_waiting=2), 100)
+
+    sizes = [(200, 20)] if args.quick else [(10, 2), (50, 5), (200, 20), (500, 50), (1000, 100)]
+    settings = [(m, b, r, w, None) for (r, w) in sizes for m in (sfs6, paper4)
+                for b in (8192, 32768)]
+    settings += [(sfs6, 8192, 200, 20, 1.02), (sfs6, 8192, 200, 20, 1.2)]
+    head = (f"{'running':>7} {'waiting':>7} {'model':>6} {'budget':>6} {'kv':>7} {'steps':>5} "
+            f"{'from_dict':>9} {'first':>7} {'p90':>7} {'further':>7} {'kernel':>7} "
+            f"{'oracle':>8} {'oracle/first':>12}")
+    print("microseconds per call (median over snapshots); paper-like lengths, block_size=16;")
+    print("kv: num_gpu_blocks = 100000 (or what the running requests hold, if more), or that "
+          "multiple of their holding (tight: the replay preempts)")
+    print(head)
+    print("-" * len(head))
+    gc.collect()
+    for model, budget, r, w, kv in settings:
+        got = measure(model, budget, r, w, n, kv)
+        rows = got["rows"]
+        first = _us(rows["first"])
+        kv_label = f"x{kv:g}" if kv else "100k"
+        print(f"{r:>7} {w:>7} {model.name:>6} {budget:>6} {kv_label:>7} {got['steps']:>5.0f} "
+              f"{_us(rows['from_dict']):>9.0f} {first:>7.1f} {_p90(rows['first']):>7.1f} "
+              f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>7.1f} "
+              f"{_us(rows['oracle']):>8.0f} {_us(rows['oracle']) / first:>11.1f}x")
+
+
+if __name__ == "__main__":
+    main()

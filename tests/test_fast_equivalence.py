@@ -1,0 +1,123 @@
+"""The compiled replay and the forecaster against the reference loop, on random snapshots.
+
+The snapshots cover both batch-time models, prefill thresholds, small sequence caps, tiny token
+budgets and tight KV caches (preemption, recompute, self-preemption), with decoders, partial
+prefills and recomputing requests in any order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from snapshots import SFS6, random_snapshot
+
+from duetime.engine import Forecaster, ForecastError, SchedulerConfig, forecast, replay
+from duetime.engine.synthetic import paper_like_snapshot
+
+MAX_STEPS = 50_000
+
+
+def _run(fn):
+    try:
+        return fn()
+    except ForecastError as e:
+        return e
+
+
+def _probe_lengths(rng: random.Random, snap) -> list[int]:
+    hi = snap.config.max_model_len - 1
+    return [min(p, hi) for p in (1, rng.randint(1, 40), rng.randint(1, 600),
+                                 rng.randint(1, 5000))]
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_kernel_and_forecaster_equal_the_reference_loop(chunk: int) -> None:
+    checked = preempting = 0
+    for seed in range(chunk * 60, chunk * 60 + 60):
+        rng = random.Random(seed)
+        snap = random_snapshot(rng)
+        fc = Forecaster(snap, max_steps=MAX_STEPS)
+        for p in _probe_lengths(rng, snap):
+            for until, po in (("first_token", None), ("finish", rng.randint(1, 300))):
+                ref = _run(lambda p=p, until=until, po=po: replay(
+                    snap, p, po, until, reference=True, max_steps=MAX_STEPS))
+                fast = _run(lambda p=p, until=until, po=po: replay(
+                    snap, p, po, until, max_steps=MAX_STEPS))
+                if isinstance(ref, ForecastError):
+                    assert isinstance(fast, ForecastError), (seed, p, until, fast)
+                    if until == "first_token":
+                        assert isinstance(_run(lambda p=p: fc.first_token(p)), ForecastError)
+                    continue
+                checked += 1
+                # Same integer features, same float sum: bit-identical.
+                assert (fast.estimate_s, fast.steps) == (ref.estimate_s, ref.steps), (
+                    seed, p, until)
+                if until == "first_token":
+                    got = fc.first_token(p)
+                    assert got.steps == ref.steps, (seed, p)
+                    assert math.isclose(got.estimate_s, ref.estimate_s, rel_tol=1e-9,
+                                        abs_tol=1e-12), (seed, p)
+        if snap.config.num_gpu_blocks < 1_000_000:
+            preempting += 1
+    assert checked > 200
+    assert preempting > 0
+
+
+def test_trace_agrees_with_the_forecast() -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        snap = random_snapshot(rng, kv_pressure=False)
+        got = _run(lambda snap=snap: forecast(snap, 300, trace=True))
+        if isinstance(got, ForecastError):
+            continue
+        assert len(got.trace) == got.steps
+        assert math.isclose(got.trace[-1]["end"] - snap.time, got.estimate_s, rel_tol=1e-12)
+        fast = forecast(snap, 300)
+        assert fast.steps == got.steps
+        assert math.isclose(fast.estimate_s, got.estimate_s, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("budget", [8192, 32768])
+def test_paper_like_snapshots_many_probes(budget: int) -> None:
+    """200 running / 20 waiting, the benchmark's shape: one forecaster, many probe lengths."""
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=256,
+                          max_model_len=131072, num_gpu_blocks=100_000)
+    for seed in range(3):
+        snap = paper_like_snapshot(random.Random(seed), SFS6, config=cfg)
+        fc = Forecaster(snap)
+        for p in (1, 16, 500, 4096, 9000, 33000, 100_000, 20):
+            ref = replay(snap, p, reference=True)
+            got = fc.first_token(p)
+            assert got.steps == ref.steps
+            assert math.isclose(got.estimate_s, ref.estimate_s, rel_tol=1e-9)
+
+
+def test_kernel_runs_as_plain_python_without_numba() -> None:
+    """``DUETIME_NO_JIT=1`` runs the same kernel as Python: it must agree with the oracle."""
+    code = (
+        "import random, sys; sys.path.insert(0, 'tests')\n"
+        "from snapshots import random_snapshot\n"
+        "from duetime.engine import replay, forecast, kernel\n"
+        "assert not hasattr(kernel.step, 'py_func'), 'numba was used'\n"
+        "for seed in range(40):\n"
+        "    snap = random_snapshot(random.Random(seed), n_running=8, n_waiting=4)\n"
+        "    try:\n"
+        "        ref = replay(snap, 50, reference=True, max_steps=5000)\n"
+        "    except Exception:\n"
+        "        continue\n"
+        "    got = replay(snap, 50, max_steps=5000)\n"
+        "    assert (got.estimate_s, got.steps) == (ref.estimate_s, ref.steps), seed\n"
+        "    assert forecast(snap, 50).steps == ref.steps\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DUETIME_NO_JIT="1")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
