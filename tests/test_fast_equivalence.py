@@ -15,17 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from snapshots import SFS6, random_snapshot
 
 from duetime.engine import Forecaster, ForecastError, SchedulerConfig, forecast, replay
 from duetime.engine.synthetic import paper_like_snapshot
+from snapshots import SFS6, random_snapshot
 
 MAX_STEPS = 50_000
 
 
-def _run(fn):
+def _run(fn, *args, **kwargs):
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except ForecastError as e:
         return e
 
@@ -45,14 +45,12 @@ def test_kernel_and_forecaster_equal_the_reference_loop(chunk: int) -> None:
         fc = Forecaster(snap, max_steps=MAX_STEPS)
         for p in _probe_lengths(rng, snap):
             for until, po in (("first_token", None), ("finish", rng.randint(1, 300))):
-                ref = _run(lambda p=p, until=until, po=po: replay(
-                    snap, p, po, until, reference=True, max_steps=MAX_STEPS))
-                fast = _run(lambda p=p, until=until, po=po: replay(
-                    snap, p, po, until, max_steps=MAX_STEPS))
+                ref = _run(replay, snap, p, po, until, reference=True, max_steps=MAX_STEPS)
+                fast = _run(replay, snap, p, po, until, max_steps=MAX_STEPS)
                 if isinstance(ref, ForecastError):
                     assert isinstance(fast, ForecastError), (seed, p, until, fast)
                     if until == "first_token":
-                        assert isinstance(_run(lambda p=p: fc.first_token(p)), ForecastError)
+                        assert isinstance(_run(fc.first_token, p), ForecastError)
                     continue
                 checked += 1
                 # Same integer features, same float sum: bit-identical.
@@ -73,7 +71,7 @@ def test_trace_agrees_with_the_forecast() -> None:
     rng = random.Random(7)
     for _ in range(20):
         snap = random_snapshot(rng, kv_pressure=False)
-        got = _run(lambda snap=snap: forecast(snap, 300, trace=True))
+        got = _run(forecast, snap, 300, trace=True)
         if isinstance(got, ForecastError):
             continue
         assert len(got.trace) == got.steps

@@ -5,6 +5,7 @@ as the ground-truth instance of the cluster simulator, and as the clock of the e
 """
 
 from duetime.engine.batch_time import MODELS, BatchTimeModel, Paper4, Sfs6, model_from_dict
+from duetime.engine.compiled import Engine, StepEvents
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import (
     Forecast,
@@ -23,6 +24,7 @@ from duetime.engine.snapshot import ResidentRequest, Snapshot, SnapshotError
 __all__ = [
     "MODELS",
     "BatchTimeModel",
+    "Engine",
     "EngineStuck",
     "Forecast",
     "ForecastError",
@@ -36,6 +38,7 @@ __all__ = [
     "Sfs6",
     "Snapshot",
     "SnapshotError",
+    "StepEvents",
     "StepRecord",
     "forecast",
     "forecaster",

@@ -95,9 +95,11 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, num_bl
 
 @njit(cache=True, nogil=True)
 def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cover - jit
-    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` gets
+    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[8]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
-    victim]. Returns the number of scheduled requests, or STUCK / TOO_BIG.
+    victim (on TOO_BIG), first tokens, finished, preempted]; the rows that got their first
+    token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
+    Returns the number of scheduled requests, or STUCK / TOO_BIG.
 
     One loop serves both phases: first the running requests in order (phase 0), then, if
     nothing was preempted, the waiting queue FCFS (phase 1). A scheduled request's tokens are
@@ -214,6 +216,9 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cove
     if preempted > 0:
         flags |= PREEMPTED
     out[3] = flags
+    out[5] = nf
+    out[6] = nd
+    out[7] = preempted
     st[NRUN] = nrun
     st[WH] = wh
     st[WC] = wc
@@ -253,7 +258,7 @@ def run_probe(req, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
               max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
     work = np.empty((2, run.shape[0]), dtype=np.int64)
-    out = np.zeros(5, dtype=np.int64)
+    out = np.zeros(8, dtype=np.int64)
     col = 1 if until_finish else 0
     while np.isnan(stamps[probe, col]):
         if st[K] >= max_steps:
@@ -279,7 +284,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
     Returns (code, recorded count, detail).
     """
     work = np.empty((2, run.shape[0]), dtype=np.int64)
-    out = np.zeros(5, dtype=np.int64)
+    out = np.zeros(8, dtype=np.int64)
     cap = cfg[CAP]
     while True:
         if room[1] == 1 and room[0] >= target:
