@@ -288,3 +288,37 @@ def test_demo_named_profiles(capsys):
     assert (code, err) == (0, "")
     assert first in out and not any(name in out for name in rest)
     assert "20 running + 2 waiting" in out
+
+
+# -- forecast requests (a snapshot with a "probe") ----------------------------------------------
+
+def test_forecast_request_form(capsys, tmp_path):
+    req = dict(SNAPSHOT, probe={"prompt_tokens": 512, "predicted_output_tokens": 40},
+               until="finish")
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(req))
+    snap = Snapshot.from_dict(SNAPSHOT)
+    got = run_json(capsys, "forecast", str(path))
+    assert got == forecast(snap, 512, 40, until="finish").to_dict()
+    # Options override the request.
+    got = run_json(capsys, "forecast", str(path), "--until", "first_token")
+    assert got == forecast(snap, 512).to_dict()
+    got = run_json(capsys, "forecast", str(path), "--prompt-tokens", "64", "--until",
+                   "first_token")
+    assert got == forecast(snap, 64).to_dict()
+
+
+def test_forecast_needs_a_probe(capsys, snap_file):
+    code, out, err = run(capsys, "forecast", snap_file)
+    assert_one_line_error(code, out, err, "--prompt-tokens", "probe")
+
+
+@pytest.mark.parametrize(("probe", "fragment"), [
+    ({"prompt_tokens": "many"}, "prompt_tokens"),
+    ([512], "probe"),
+])
+def test_bad_forecast_request(capsys, tmp_path, probe, fragment):
+    path = tmp_path / "req.json"
+    path.write_text(json.dumps(dict(SNAPSHOT, probe=probe)))
+    code, out, err = run(capsys, "forecast", str(path))
+    assert_one_line_error(code, out, err, fragment)

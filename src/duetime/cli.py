@@ -67,6 +67,11 @@ def read_snapshot(source: str) -> Snapshot:
 
     Every failure is a :class:`CliError` whose message starts with the source's name.
     """
+    return _read_snapshot(source)[0]
+
+
+def _read_snapshot(source: str) -> tuple[Snapshot, Any]:
+    """The validated snapshot and the raw JSON it came from."""
     name = "<stdin>" if source == "-" else source
     try:
         text = sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
@@ -80,16 +85,37 @@ def read_snapshot(source: str) -> Snapshot:
         raise CliError(f"{name}: not valid JSON ({e.msg} at line {e.lineno}, "
                        f"column {e.colno})") from None
     try:
-        return Snapshot.from_dict(data)
+        return Snapshot.from_dict(data), data
     except SnapshotError as e:
         raise CliError(f"{name}: {e}") from None
 
 
+def _request_probe(data: Any, name: str) -> tuple[Any, Any, Any, Any]:
+    """(prompt_tokens, predicted_output_tokens, until, trace) of a forecast request: a snapshot
+    with ``"probe": {"prompt_tokens", "predicted_output_tokens"?}`` and optional ``"until"``,
+    ``"trace"`` (see the snapshot format); ``None`` where the JSON says nothing."""
+    probe = data.get("probe")
+    if probe is None:
+        return None, None, data.get("until"), data.get("trace")
+    if not isinstance(probe, dict):
+        raise CliError(f"{name}: probe: must be an object with prompt_tokens")
+    return (probe.get("prompt_tokens"), probe.get("predicted_output_tokens"),
+            data.get("until"), data.get("trace"))
+
+
 def _cmd_forecast(args: argparse.Namespace) -> int:
-    snap = read_snapshot(args.snapshot)
+    snap, data = _read_snapshot(args.snapshot)
+    name = "<stdin>" if args.snapshot == "-" else args.snapshot
+    prompt, predicted, until, trace = _request_probe(data, name)
+    prompt = args.prompt_tokens if args.prompt_tokens is not None else prompt
+    if prompt is None:
+        raise CliError("--prompt-tokens is required (or a \"probe\" in the snapshot JSON)")
+    if args.predicted_output_tokens is not None:
+        predicted = args.predicted_output_tokens
+    until = args.until or until or "first_token"
+    trace = args.trace or trace is True
     try:
-        result = forecast(snap, args.prompt_tokens, args.predicted_output_tokens,
-                          until=args.until, trace=args.trace)
+        result = forecast(snap, prompt, predicted, until=until, trace=trace)
     except ForecastError as e:
         raise CliError(str(e)) from None
     _print_json(result.to_dict(), args.indent)
@@ -236,14 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
                 "Append a probe request to the snapshot's waiting queue, replay the scheduler "
                 "until its first token (or its finish) and print {\"estimate_s\", \"steps\"} "
                 "(plus \"trace\" with --trace) as JSON. estimate_s is measured from the "
-                "snapshot's time. The JSON format is described in the README.")
+                "snapshot's time. The JSON format is described in the README. The JSON may "
+                "also be a forecast request: a snapshot with \"probe\": {\"prompt_tokens\": N, "
+                "\"predicted_output_tokens\": M} and optionally \"until\" and \"trace\"; "
+                "options given here override it.")
     p.add_argument("snapshot", metavar="SNAPSHOT",
                    help="snapshot JSON file, or - to read it from stdin")
-    p.add_argument("--prompt-tokens", type=int, required=True, metavar="N",
-                   help="the probe's prompt length in tokens")
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="the probe's prompt length in tokens (required unless the JSON is a "
+                   "forecast request with a \"probe\")")
     p.add_argument("--predicted-output-tokens", type=int, default=None, metavar="N",
                    help="the probe's predicted output length (needed for --until finish)")
-    p.add_argument("--until", choices=["first_token", "finish"], default="first_token",
+    p.add_argument("--until", choices=["first_token", "finish"], default=None,
                    help="forecast the first token (TTFT, default) or the finish (end to end)")
     p.add_argument("--trace", action="store_true",
                    help="also list every replayed step (slower: uses the reference loop)")

@@ -11,10 +11,11 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from typing_extensions import TypedDict
 
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
 from duetime.engine.config import SchedulerConfig
@@ -86,15 +87,16 @@ class _ConfigIn(BaseModel):
     long_prefill_token_threshold: int = Field(0, ge=0)
 
 
-class _RequestIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _RequestIn(TypedDict):
+    # A TypedDict, not a model: pydantic-core validates a list of them ~4x faster.
+    __pydantic_config__ = ConfigDict(extra="ignore")  # type: ignore[misc]
     id: str | int
-    status: Literal["running", "waiting"] | None = None
-    prompt_tokens: int = Field(ge=1, strict=True)
-    computed_tokens: int = Field(0, ge=0, strict=True)
-    output_tokens: int = Field(0, ge=0, strict=True)
-    predicted_output_tokens: int = Field(ge=1, strict=True)
-    arrival: float = 0.0
+    status: NotRequired[Literal["running", "waiting"] | None]
+    prompt_tokens: Annotated[int, Field(ge=1, strict=True)]
+    computed_tokens: NotRequired[Annotated[int, Field(ge=0, strict=True)]]
+    output_tokens: NotRequired[Annotated[int, Field(ge=0, strict=True)]]
+    predicted_output_tokens: Annotated[int, Field(ge=1, strict=True)]
+    arrival: NotRequired[float]
 
 
 class _BatchTimeIn(BaseModel):
@@ -179,14 +181,16 @@ class Snapshot:
 
         def convert(items: list[_RequestIn], where: str) -> RequestTable:
             for i, r in enumerate(items):
-                if r.status is not None and r.status != where:
-                    raise SnapshotError(f"snapshot.{where}[{i}].status: {r.status!r} request "
+                status = r.get("status")
+                if status is not None and status != where:
+                    raise SnapshotError(f"snapshot.{where}[{i}].status: {status!r} request "
                                         f"listed under {where!r}")
-            return RequestTable([str(r.id) for r in items], [r.prompt_tokens for r in items],
-                                [r.computed_tokens for r in items],
-                                [r.output_tokens for r in items],
-                                [r.predicted_output_tokens for r in items],
-                                [r.arrival for r in items])
+            return RequestTable([str(r["id"]) for r in items],
+                                [r["prompt_tokens"] for r in items],
+                                [r.get("computed_tokens", 0) for r in items],
+                                [r.get("output_tokens", 0) for r in items],
+                                [r["predicted_output_tokens"] for r in items],
+                                [r.get("arrival", 0.0) for r in items])
 
         snap = cls(config, model, time=s.time, running=convert(s.running, "running"),
                    waiting=convert(s.waiting, "waiting"))
