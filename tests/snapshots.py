@@ -16,7 +16,7 @@ def random_snapshot(rng: random.Random, *, n_running: int | None = None,
                     model=None) -> Snapshot:
     """A consistent but otherwise arbitrary snapshot: decoders, partial prefills and
     recomputing requests in any order, waiting requests (some preempted, with outputs)."""
-    bs = rng.choice([1, 4, 16])
+    bs = rng.choice([1, 4, 10, 16])
     budget = rng.choice([8, 32, 64, 256, 2048, 8192])
     max_seqs = rng.choice([2, 4, 16, 64, 256])
     max_seqs = min(max_seqs, budget)

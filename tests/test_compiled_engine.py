@@ -16,7 +16,7 @@ def _config(rng: random.Random) -> SchedulerConfig:
     return SchedulerConfig(max_num_batched_tokens=budget,
                            max_num_seqs=min(budget, rng.choice([2, 8, 64])),
                            max_model_len=rng.choice([2048, 32768]),
-                           block_size=rng.choice([1, 4, 16]),
+                           block_size=rng.choice([1, 4, 10, 16]),
                            num_gpu_blocks=rng.choice([64, 400, 100_000]),
                            long_prefill_token_threshold=rng.choice([0, 0, 8, 100]))
 

@@ -55,7 +55,8 @@ class Engine:
         self._clock = np.array([float(time)])
         self._cfg = np.array([config.max_num_batched_tokens, config.chunk_cap,
                               config.max_num_seqs, config.max_model_len, config.block_size,
-                              config.num_gpu_blocks], dtype=np.int64)
+                              config.num_gpu_blocks, kn.block_shift(config.block_size)],
+                             dtype=np.int64)
         self._w = np.array(model.weights, dtype=np.float64)
         self._work = np.zeros((2, n), dtype=np.int64)
         self._out = np.zeros(8, dtype=np.int64)

@@ -71,7 +71,8 @@ def _probe_id(snapshot: Snapshot) -> str:
 @lru_cache(maxsize=256)
 def _config_array(cfg: SchedulerConfig) -> np.ndarray:
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
-                     cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks], dtype=np.int64)
+                     cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks,
+                     kn.block_shift(cfg.block_size)], dtype=np.int64)
 
 
 @lru_cache(maxsize=256)

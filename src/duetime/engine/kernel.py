@@ -18,7 +18,9 @@ Layout (all int64 unless noted; request ``r`` is an index):
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
 * ``st``: step index, free blocks, run length, queue head, queue length; ``clock`` (float64[1]);
-* ``cfg``: budget, chunk cap, max_num_seqs, max_model_len, block size, num_gpu_blocks;
+* ``cfg``: budget, chunk cap, max_num_seqs, max_model_len, block size, num_gpu_blocks,
+  log2(block size) or -1 (block counts by shifting: a division costs more than the rest of a
+  decode's bookkeeping);
 * ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
   order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
 """
@@ -34,8 +36,8 @@ from duetime.engine.remaining import stop_length
 PROMPT, OUTPUT, STOP, COMP, BLOCKS, DONE = range(6)
 # st fields
 K, FREE, NRUN, WH, WC = range(5)
-# cfg fields
-BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS = range(6)
+# cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
+BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT = range(7)
 
 # step() results (>= 0: number of requests scheduled)
 STUCK = -1      # nothing can be scheduled and nothing changes
@@ -51,6 +53,11 @@ STEP_CAP = 3    # max_steps reached
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
 SEATS = 2       # running < max_num_seqs after admission
 PREEMPTED = 4
+
+
+def block_shift(block_size: int) -> int:
+    """log2(block_size) if it is a power of two, else -1 (see ``cfg``)."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
 
 
 @njit(cache=True, nogil=True)
@@ -110,6 +117,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cove
     budget = cfg[BUDGET]
     cap = cfg[CAP]
     bs = cfg[BS]
+    shift = cfg[SHIFT]
     max_len = cfg[MAXLEN]
     max_seqs = cfg[MAXSEQS]
     n_q = wq.shape[0]
@@ -152,7 +160,10 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cove
             n = cap
         if n > budget:
             n = budget
-        need = (c + n + bs - 1) // bs - req[r, BLOCKS]
+        if shift >= 0:
+            need = ((c + n + bs - 1) >> shift) - req[r, BLOCKS]
+        else:
+            need = (c + n + bs - 1) // bs - req[r, BLOCKS]
         if phase == 0:
             ok = True
             while free < need:  # preempt the newest running request (maybe r itself)
