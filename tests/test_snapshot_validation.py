@@ -292,3 +292,23 @@ def test_round_trip(model):
     s3 = Snapshot.from_dict(json.loads(json.dumps(out)))
     assert s3.to_dict() == out
     assert (duetime.forecast(s3, 100).estimate_s == duetime.forecast(s, 100).estimate_s)
+
+
+def test_vllm_mode_keys_are_accepted_when_they_match_the_modelled_rules():
+    d = valid()
+    d["config"].update(chunked_prefill=True, enable_prefix_caching=False, policy="fcfs",
+                       preemption_mode="recompute")
+    assert Snapshot.from_dict(d).config.max_num_batched_tokens == 8192
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("enable_prefix_caching", True),
+    ("chunked_prefill", False),
+    ("policy", "priority"),
+    ("preemption_mode", "swap"),
+])
+def test_unmodelled_vllm_modes_are_rejected(key, value):
+    d = valid()
+    d["config"][key] = value
+    with pytest.raises(SnapshotError, match=rf"snapshot\.config\.{key}"):
+        Snapshot.from_dict(d)

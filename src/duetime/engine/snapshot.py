@@ -78,6 +78,8 @@ class RequestTable:
 # -- JSON schema (pydantic) ---------------------------------------------------------------------
 
 class _ConfigIn(BaseModel):
+    # Unknown keys are errors (a misspelt limit would silently change every forecast), but
+    # vLLM's names for the modes these rules assume are accepted when they say so.
     model_config = ConfigDict(extra="forbid", strict=True)
     max_num_batched_tokens: int = Field(8192, ge=1)
     max_num_seqs: int = Field(256, ge=1)
@@ -85,6 +87,16 @@ class _ConfigIn(BaseModel):
     block_size: int = Field(16, ge=1)
     num_gpu_blocks: int = Field(100_000, ge=1)
     long_prefill_token_threshold: int = Field(0, ge=0)
+    chunked_prefill: Literal[True] = True
+    enable_chunked_prefill: Literal[True] = True
+    prefix_caching: Literal[False] = False
+    enable_prefix_caching: Literal[False] = False
+    policy: Literal["fcfs"] = "fcfs"
+    scheduling_policy: Literal["fcfs"] = "fcfs"
+    preemption_mode: Literal["recompute"] = "recompute"
+
+    def limits(self) -> dict[str, int]:
+        return self.model_dump(include=set(SchedulerConfig.__dataclass_fields__))
 
 
 class _RequestIn(TypedDict):
@@ -100,7 +112,7 @@ class _RequestIn(TypedDict):
 
 
 class _BatchTimeIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     model: str
     coefficients: dict[str, float]
 
@@ -175,7 +187,7 @@ class Snapshot:
                                 f"this duetime reads version {SNAPSHOT_VERSION}")
         try:
             model = model_from_dict(s.batch_time.model_dump(), "snapshot.batch_time")
-            config = SchedulerConfig(**s.config.model_dump())
+            config = SchedulerConfig(**s.config.limits())
         except ValueError as e:
             raise SnapshotError(str(e)) from None
 
