@@ -77,3 +77,58 @@ def test_engine_rejects_duplicates_and_reports_state() -> None:
     assert eng.idle and eng.step() is None
     eng.advance_clock(100.0)
     assert eng.time == 100.0
+
+
+def test_run_until_and_drain() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, block_size=4)
+    eng = Engine(cfg, PAPER4)
+    eng.run_until(5.0)  # idle: the clock jumps
+    assert eng.time == 5.0
+    eng.add("a", 100, 30)
+    eng.add("b", 10, 3)
+    ref = ReferenceEngine(cfg, PAPER4, time=5.0)
+    ref.add(Request("a", 100, 30))
+    ref.add(Request("b", 10, 3))
+    finished = eng.run_until(float("inf"), stop_on_finish=True)
+    while not (rec := ref.step()).finished:
+        pass
+    assert finished == rec.finished == ["b"]
+    assert eng.time == ref.time
+    eng.drain()
+    assert eng.idle and eng.time < 1e6
+    stamps = eng.stamps()
+    assert stamps.shape == (2, 2) and not (stamps != stamps).any()
+
+
+def test_snapshot_shows_predicted_lengths_in_scheduler_order() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2, block_size=4)
+    eng = Engine(cfg, SFS6)
+    eng.add("a", 10, 50, predicted_output_tokens=20, arrival=0.0)
+    eng.add("b", 40, 5, predicted_output_tokens=7, arrival=0.1)
+    eng.add("c", 8, 5, arrival=0.2)
+    eng.step()
+    snap = eng.snapshot()
+    assert snap.time == eng.time
+    assert [r.id for r in snap.running] == ["a", "b"]
+    assert [r.id for r in snap.waiting] == ["c"]
+    a, b = snap.running
+    assert (a.prompt_tokens, a.computed_tokens, a.output_tokens, a.predicted_output_tokens) == (
+        10, 10, 1, 20)
+    assert (b.prompt_tokens, b.computed_tokens, b.output_tokens) == (40, 22, 0)
+    assert snap.waiting[0].predicted_output_tokens == 5  # default: the true stop
+    snap.check()
+
+
+def test_noise_is_seeded_and_mean_preserving() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, block_size=4)
+
+    def total(noise: float, seed: int) -> float:
+        eng = Engine(cfg, PAPER4, noise=noise, seed=seed)
+        for i in range(8):
+            eng.add(f"r{i}", 50, 100)
+        eng.drain()
+        return eng.time
+
+    exact = total(0.0, 1)
+    assert total(0.1, 1) == total(0.1, 1) != exact
+    assert abs(total(0.1, 2) / exact - 1) < 0.05  # ~1000 steps of mean-one noise

@@ -44,10 +44,11 @@ STUCK = -1      # nothing can be scheduled and nothing changes
 TOO_BIG = -2    # a request alone needs more KV blocks than the instance has
 
 # run_* results
-REACHED = 0     # the probe's event happened / the base covered the requested room
+REACHED = 0     # the probe's event happened / the base covered the requested room / the time
 IDLE = 1        # nothing left to do
 FULL = 2        # the record arrays are full
 STEP_CAP = 3    # max_steps reached
+FINISHED = 4    # run_until: a request finished (asked to stop there)
 
 # flag bits recorded per base step
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
@@ -101,12 +102,15 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, num_bl
 
 
 @njit(cache=True, nogil=True)
-def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cover - jit
+def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # pragma: no cover
+
     """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[8]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
     victim (on TOO_BIG), first tokens, finished, preempted]; the rows that got their first
     token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
-    Returns the number of scheduled requests, or STUCK / TOO_BIG.
+    Returns the number of scheduled requests, or STUCK / TOO_BIG. ``noise`` > 0 multiplies the
+    step's duration by a mean-one log-normal factor with that log-space spread (a simulated
+    instance's "true" timing; numba's global RNG, see :func:`seed`).
 
     One loop serves both phases: first the running requests in order (phase 0), then, if
     nothing was preempted, the waiting queue FCFS (phase 1). A scheduled request's tokens are
@@ -239,8 +243,11 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out):  # pragma: no cove
     # duration: the batch-time model of the composition (exact integer features)
     t_end = clock[0]
     if ns > 0:
-        t_end += (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
-                  + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
+        dur = (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
+               + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
+        if noise > 0.0:
+            dur *= np.exp(noise * np.random.standard_normal() - 0.5 * noise * noise)
+        t_end += dur
     # stamps; finished requests leave at the step's end
     for j in range(nf):
         stamps[first[j], 0] = t_end
@@ -324,3 +331,26 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
         n_rec += 1
         if room[1] == 1:
             room[0] += y
+
+
+@njit(cache=True, nogil=True)
+def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, t_limit, stop_on_finish,
+              noise):  # pragma: no cover - jit
+    """Step while the clock is before ``t_limit`` (a step that starts before it may end after
+    it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
+    finished rows are ``work[0, :out[6]]``), or STUCK / TOO_BIG (detail: the row)."""
+    while clock[0] < t_limit:
+        if st[NRUN] == 0 and st[WC] == 0:
+            return IDLE, 0
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise)
+        if got < 0:
+            return got, out[4]
+        if stop_on_finish and out[6] > 0:
+            return FINISHED, 0
+    return REACHED, 0
+
+
+@njit(cache=True)
+def seed(value):  # pragma: no cover - jit
+    """Seed numba's random generator (used for step-time noise)."""
+    np.random.seed(value)
