@@ -1,0 +1,58 @@
+"""What an estimator may look at: an instance's live view."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from duetime.engine.snapshot import Snapshot
+
+
+@dataclass(slots=True)
+class InstanceStats:
+    """Time-averaged observations of an instance (what a metrics scraper can know)."""
+
+    elapsed_s: float = 0.0        # observation window
+    arrivals: int = 0             # requests sent to it in the window
+    ttft_s_sum: float = 0.0       # Σ first-token latency of its requests that got one
+    ttft_count: int = 0
+    e2e_s_sum: float = 0.0        # Σ end-to-end latency of its finished requests
+    e2e_count: int = 0
+
+    @property
+    def arrival_rate(self) -> float:
+        return self.arrivals / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def mean_ttft(self) -> float:
+        return self.ttft_s_sum / self.ttft_count if self.ttft_count else 0.0
+
+    @property
+    def mean_e2e(self) -> float:
+        return self.e2e_s_sum / self.e2e_count if self.e2e_count else 0.0
+
+
+class InstanceView(Protocol):
+    """The live state of one instance, as the router sees it."""
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float: ...
+
+    @property
+    def stats(self) -> InstanceStats: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+
+class Estimator(Protocol):
+    """Forecast seconds from ``now`` until a new request's first token at an instance."""
+
+    name: str
+
+    def ttft(self, view: InstanceView, prompt_tokens: int, now: float) -> float: ...

@@ -1,0 +1,45 @@
+"""Load balancers that ignore quality and cost: round-robin, shortest queue, llm-d load-aware."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self._cursor = 0
+
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        i = self._cursor % len(cands)
+        self._cursor += 1
+        return Decision(i)
+
+
+class ShortestQueue(Policy):
+    """Fewest resident requests (running + waiting); random tie-break."""
+
+    name = "shortest-queue"
+
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        load = np.array([c.view.num_running + c.view.num_waiting for c in cands])
+        return Decision(self._argmax_random(-load))
+
+
+def load_aware_score(waiting: int) -> float:
+    """llm-d's load-aware scorer: 0.5 with an empty queue, falling to 0 at 128 waiting."""
+    return 0.5 if waiting == 0 else 0.5 * (1.0 - min(waiting, 128) / 128.0)
+
+
+class LoadAware(Policy):
+    """llm-d load-aware: the highest scorer (vllm:num_requests_waiting), random tie-break."""
+
+    name = "load-aware"
+
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        scores = np.array([load_aware_score(c.view.num_waiting) for c in cands])
+        return Decision(self._argmax_random(scores))

@@ -1,0 +1,71 @@
+"""The routing-policy interface shared by the simulator and the gateway."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from duetime.estimate.base import InstanceView
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One instance the request may go to."""
+
+    name: str
+    model: str
+    price_prompt: float    # USD per million tokens
+    price_output: float
+    view: InstanceView
+
+
+@dataclass(slots=True)
+class RoutingRequest:
+    """What the router knows about a request when it routes it.
+
+    ``quality`` and ``output_tokens`` are *predictions*, one per candidate (in candidate
+    order); ``ttft_target`` in seconds; ``attempted``: models already tried for this request.
+    """
+
+    id: str
+    prompt_tokens: int
+    quality: np.ndarray
+    output_tokens: np.ndarray
+    ttft_target: float
+    task: str = ""
+    session: str | None = None
+    attempted: frozenset[str] = field(default_factory=frozenset)
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen candidate (index) and, if the policy made one, its TTFT forecast (s)."""
+
+    index: int
+    forecast: float | None = None
+
+
+def utility(req: RoutingRequest, cands: list[Candidate], lam: float) -> np.ndarray:
+    """U = predicted quality - lambda * predicted cost (micro-dollars), per candidate."""
+    prompt = np.array([c.price_prompt for c in cands]) * req.prompt_tokens
+    output = np.array([c.price_output for c in cands]) * req.output_tokens
+    return req.quality - lam * (prompt + output)
+
+
+class Policy(ABC):
+    """Chooses a candidate for each request. ``rng`` breaks ties (seeded)."""
+
+    name: str = ""
+
+    def __init__(self, *, lam: float = 5.0e-4, seed: int = 0) -> None:
+        self.lam = lam
+        self.rng = np.random.default_rng(seed)
+
+    @abstractmethod
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision: ...
+
+    def _argmax_random(self, scores: np.ndarray) -> int:
+        best = np.flatnonzero(scores == scores.max())
+        return int(best[0] if len(best) == 1 else self.rng.choice(best))

@@ -1,0 +1,216 @@
+"""The discrete-event cluster simulator: instances are compiled engines with a "true" timing.
+
+Each instance runs the engine (``duetime.engine.Engine``) with its model's batch-time model
+(the truth, optionally with multiplicative per-step noise) and the requests' *true* output
+lengths. The router sees snapshots carrying *predicted* output lengths (true x U(1 - e, 1 + e)),
+and predicted qualities (a per-task table, or the truth: an oracle). Requests arrive in time
+order; before each routing decision every instance is stepped up to the arrival time; the
+chosen instance queues the request at its next step boundary. At the end every instance runs
+until idle, so no request is lost: each one has a first token and a finish.
+"""
+
+from __future__ import annotations
+
+import time as wallclock
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from duetime.engine.compiled import Engine
+from duetime.engine.snapshot import Snapshot
+from duetime.estimate.base import Estimator, InstanceStats
+from duetime.policy.base import Candidate, Policy, RoutingRequest
+from duetime.workload.profile import ModelSpec, WorkloadProfile
+from duetime.workload.requests import RequestSet
+
+STATS_WINDOW = 256  # recent requests an instance's time-averaged stats look at
+
+
+class SimInstance:
+    """One simulated instance and the live view of it a router gets."""
+
+    def __init__(self, name: str, spec: ModelSpec, *, noise: float = 0.0) -> None:
+        self.name = name
+        self.spec = spec
+        self.engine = Engine(spec.config, spec.batch_time, noise=noise)
+        self.now = 0.0
+        self._snap: Snapshot | None = None
+        self._snap_key: tuple[int, int] = (-1, -1)
+
+    # InstanceView
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.engine.free_blocks / self.spec.config.num_gpu_blocks
+
+    def snapshot(self) -> Snapshot:
+        key = (self.engine.steps, len(self.engine._ids))
+        if key != self._snap_key:
+            self._snap = self.engine.snapshot()
+            self._snap_key = key
+        return self._snap  # type: ignore[return-value]
+
+    @property
+    def stats(self) -> InstanceStats:
+        """Averages over the instance's last ``STATS_WINDOW`` requests, as seen at ``now``."""
+        eng = self.engine
+        n = len(eng._ids)
+        lo = max(0, n - STATS_WINDOW)
+        if n == lo:
+            return InstanceStats()
+        arrival = eng._arrival[lo:n]
+        stamps = eng.stamps()[lo:n]
+        first, fin = stamps[:, 0], stamps[:, 1]
+        got_first = first <= self.now
+        done = fin <= self.now
+        return InstanceStats(
+            elapsed_s=max(self.now - float(arrival[0]), 1e-9), arrivals=n - lo,
+            ttft_s_sum=float((first - arrival)[got_first].sum()),
+            ttft_count=int(got_first.sum()),
+            e2e_s_sum=float((fin - arrival)[done].sum()), e2e_count=int(done.sum()))
+
+
+@dataclass(slots=True)
+class SimResult:
+    """Every request's fate (arrays aligned with ``requests``)."""
+
+    requests: RequestSet
+    instance_names: list[str]
+    instance_models: list[int]        # model index of each instance
+    instance: np.ndarray              # chosen instance per request
+    first_token: np.ndarray           # absolute times
+    finish: np.ndarray
+    forecast: np.ndarray              # the policy's TTFT forecast (s), NaN if it made none
+    shadow: dict[str, np.ndarray] = field(default_factory=dict)  # other estimators' forecasts
+    overhead_s: np.ndarray | None = None  # routing wall time per decision
+    lam: float = 5.0e-4
+    prices: np.ndarray | None = None  # (models, 2): USD per Mtok, prompt and output
+    wall_s: float = 0.0
+
+    @property
+    def model(self) -> np.ndarray:
+        return np.asarray(self.instance_models)[self.instance]
+
+    @property
+    def ttft(self) -> np.ndarray:
+        return self.first_token - self.requests.arrival
+
+    @property
+    def quality(self) -> np.ndarray:
+        return self.requests.quality[np.arange(len(self.instance)), self.model]
+
+    @property
+    def output_tokens(self) -> np.ndarray:
+        return self.requests.output[np.arange(len(self.instance)), self.model]
+
+    @property
+    def cost(self) -> np.ndarray:
+        """Realised cost in micro-dollars."""
+        p = self.prices[self.model]
+        return p[:, 0] * self.requests.prompt + p[:, 1] * self.output_tokens
+
+    @property
+    def simulated_s(self) -> float:
+        return float(np.nanmax(self.finish) - self.requests.arrival[0]) if len(self.finish) else 0.0
+
+
+class ClusterSim:
+    """Route a request set over a pool of simulated instances with one policy."""
+
+    def __init__(self, profile: WorkloadProfile, policy: Policy, *,
+                 instances: list[tuple[str, str]] | None = None, noise: float = 0.0,
+                 length_error: float = 0.3, quality: str = "table", seed: int = 0,
+                 charge_overhead: bool = False,
+                 shadow_estimators: tuple[Estimator, ...] = ()) -> None:
+        """``instances``: (instance name, model name) pairs; default one per model.
+        ``quality``: ``table`` (per-task mean accuracy) or ``oracle`` (the truth)."""
+        if quality not in ("table", "oracle"):
+            raise ValueError(f"quality: 'table' or 'oracle', got {quality!r}")
+        self.profile = profile
+        self.policy = policy
+        pairs = instances or [(m, m) for m in profile.model_names]
+        for _, m in pairs:
+            if m not in profile.models:
+                raise ValueError(f"instance model {m!r} is not in the workload profile "
+                                 f"({', '.join(profile.model_names)})")
+        self.pairs = pairs
+        self.noise = noise
+        self.length_error = length_error
+        self.quality = quality
+        self.seed = seed
+        self.charge_overhead = charge_overhead
+        self.shadow_estimators = shadow_estimators
+
+    def run(self, requests: RequestSet) -> SimResult:
+        t_wall = wallclock.perf_counter()
+        prof = self.profile
+        rng = np.random.default_rng(self.seed + 1)
+        models = prof.model_names
+        if requests.models != models:
+            raise ValueError("the request set was drawn for other models than the profile's")
+        from duetime.engine import kernel
+        kernel.seed(self.seed)
+        insts = [SimInstance(name, prof.models[m], noise=self.noise) for name, m in self.pairs]
+        inst_model = [models.index(m) for _, m in self.pairs]
+        n = len(requests)
+        e = self.length_error
+        pred_out = np.maximum(1, np.rint(requests.output * rng.uniform(1 - e, 1 + e,
+                                                                       requests.output.shape)))
+        pred_out = pred_out.astype(np.int64)
+        if self.quality == "oracle":
+            pred_q = requests.quality
+        else:
+            table = np.array([[prof.tasks[t].accuracy[m] for m in models]
+                              for t in requests.tasks])
+            pred_q = table[requests.task]
+        cands = [Candidate(i.name, models[mi], i.spec.price_prompt, i.spec.price_output, i)
+                 for i, mi in zip(insts, inst_model, strict=True)]
+        cand_model = np.array(inst_model)
+        chosen = np.zeros(n, dtype=np.int64)
+        forecast = np.full(n, np.nan)
+        shadow = {est.name: np.full(n, np.nan) for est in self.shadow_estimators}
+        overhead = np.zeros(n)
+        rows = np.zeros(n, dtype=np.int64)
+        for i in range(n):
+            t = float(requests.arrival[i])
+            for inst in insts:
+                inst.engine.run_until(t)
+                inst.now = t
+            req = RoutingRequest(str(i), int(requests.prompt[i]), pred_q[i, cand_model],
+                                 pred_out[i, cand_model], float(requests.target[i]),
+                                 requests.tasks[requests.task[i]])
+            t0 = wallclock.perf_counter()
+            d = self.policy.choose(req, cands, t)
+            overhead[i] = wallclock.perf_counter() - t0
+            inst = insts[d.index]
+            for est in self.shadow_estimators:
+                shadow[est.name][i] = est.ttft(inst, req.prompt_tokens, t)
+            if self.charge_overhead:  # the request reaches the instance after the decision
+                inst.engine.run_until(t + overhead[i])
+            mi = inst_model[d.index]
+            rows[i] = inst.engine.add(str(i), int(requests.prompt[i]),
+                                      int(requests.output[i, mi]),
+                                      predicted_output_tokens=int(pred_out[i, mi]), arrival=t)
+            chosen[i] = d.index
+            if d.forecast is not None:
+                forecast[i] = d.forecast
+        first = np.full(n, np.nan)
+        fin = np.full(n, np.nan)
+        for k, inst in enumerate(insts):
+            inst.engine.drain()
+            mine = np.flatnonzero(chosen == k)
+            stamps = inst.engine.stamps()
+            first[mine] = stamps[rows[mine], 0]
+            fin[mine] = stamps[rows[mine], 1]
+        prices = np.array([[prof.models[m].price_prompt, prof.models[m].price_output]
+                           for m in models])
+        return SimResult(requests, [name for name, _ in self.pairs], inst_model, chosen, first,
+                         fin, forecast, shadow, overhead, prof.lam, prices,
+                         wallclock.perf_counter() - t_wall)

@@ -1,0 +1,237 @@
+"""Workload profiles: tasks, their length and quality distributions, models and prices.
+
+A profile is an editable YAML file (``duetime/workload/profiles/*.yaml`` ship with duetime;
+any path works). Errors name the file and the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from duetime.engine.batch_time import BatchTimeModel, model_from_dict
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.profiles import load_profile
+
+
+class ProfileError(ValueError):
+    """A workload profile that cannot be used; the message names the file and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A clipped log-normal length distribution (median, log-space sigma, [min, max])."""
+
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        x = np.exp(rng.normal(math.log(self.median), self.sigma, n))
+        return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model of the pool: its instance's engine profile and its prices (USD per Mtok)."""
+
+    name: str
+    batch_time: BatchTimeModel
+    config: SchedulerConfig
+    price_prompt: float
+    price_output: float
+
+    def cost(self, prompt_tokens, output_tokens):
+        """Cost in micro-dollars (USD per million tokens x tokens)."""
+        return self.price_prompt * prompt_tokens + self.price_output * output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    name: str
+    share: float
+    prompt: LogNormal
+    output: LogNormal
+    output_scale: dict[str, float]
+    accuracy: dict[str, float]
+
+
+@dataclass(frozen=True, slots=True)
+class TargetRule:
+    """TTFT target = clip(queue + min(budget, clip_hi - queue), clip) with
+    queue ~ U(queue_ms), budget = (base + per_token * prompt) * U(jitter) (released SFS code)."""
+
+    queue_ms: tuple[float, float] = (1.0, 5.0)
+    base_ms: float = 155.0
+    per_prompt_token_ms: float = 0.035
+    jitter: tuple[float, float] = (0.98, 1.02)
+    clip_ms: tuple[float, float] = (150.0, 1120.0)
+
+    def sample(self, rng: np.random.Generator, prompt_tokens: np.ndarray) -> np.ndarray:
+        """Targets in seconds."""
+        n = len(prompt_tokens)
+        queue = rng.uniform(*self.queue_ms, n)
+        budget = (self.base_ms + self.per_prompt_token_ms * prompt_tokens) * rng.uniform(
+            *self.jitter, n)
+        budget = np.minimum(budget, self.clip_ms[1] - queue)
+        return np.clip(queue + budget, *self.clip_ms) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadProfile:
+    name: str
+    lam: float
+    models: dict[str, ModelSpec]
+    tasks: dict[str, TaskSpec]
+    quality_concentration: float
+    target: TargetRule
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self.models)
+
+    @property
+    def task_names(self) -> list[str]:
+        return list(self.tasks)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+def _num(d: dict, key: str, where: str, *, lo: float | None = None) -> float:
+    if key not in d:
+        raise ProfileError(f"{where}.{key}: missing")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ProfileError(f"{where}.{key}: must be a number, got {v!r}")
+    if lo is not None and v < lo:
+        raise ProfileError(f"{where}.{key}: must be >= {lo}, got {v!r}")
+    return float(v)
+
+
+def _lognormal(d: Any, where: str) -> LogNormal:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: must be a mapping with median, sigma, min, max")
+    lo, hi = int(_num(d, "min", where, lo=1)), int(_num(d, "max", where, lo=1))
+    if lo > hi:
+        raise ProfileError(f"{where}: min {lo} > max {hi}")
+    return LogNormal(_num(d, "median", where, lo=1), _num(d, "sigma", where, lo=0), lo, hi)
+
+
+def _per_model(d: Any, models: list[str], where: str, default: float | None = None,
+               lo: float = 0.0, hi: float | None = None) -> dict[str, float]:
+    d = d or {}
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: must be a mapping of model -> number")
+    extra = sorted(set(d) - set(models))
+    if extra:
+        raise ProfileError(f"{where}: unknown model(s) {extra}; the profile's models: {models}")
+    out = {}
+    for m in models:
+        if m not in d:
+            if default is None:
+                raise ProfileError(f"{where}.{m}: missing")
+            out[m] = default
+            continue
+        v = _num(d, m, where, lo=lo)
+        if hi is not None and v > hi:
+            raise ProfileError(f"{where}.{m}: must be <= {hi}, got {v}")
+        out[m] = v
+    return out
+
+
+def _model(name: str, d: Any, where: str) -> ModelSpec:
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: must be a mapping")
+    try:
+        if "profile" in d:
+            prof = load_profile(d["profile"])
+            model, config = prof.model, prof.config
+        else:
+            model, config = None, None
+        if "batch_time" in d:
+            model = model_from_dict(d["batch_time"], f"{where}.batch_time")
+        if "config" in d:
+            config = SchedulerConfig(**{**(config.to_dict() if config else {}), **d["config"]})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: {e}") from None
+    if model is None or config is None:
+        raise ProfileError(f"{where}: needs 'profile' (a built-in engine profile) or both "
+                           "'batch_time' and 'config'")
+    price = d.get("price_usd_per_mtok")
+    if not isinstance(price, dict):
+        raise ProfileError(f"{where}.price_usd_per_mtok: must be a mapping with prompt, output")
+    return ModelSpec(name, model, config, _num(price, "prompt", f"{where}.price_usd_per_mtok",
+                                                lo=0),
+                     _num(price, "output", f"{where}.price_usd_per_mtok", lo=0))
+
+
+def profile_from_dict(d: Any, source: str = "profile") -> WorkloadProfile:
+    """Build a profile from its YAML/JSON form; errors start with ``source``."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"{source}: must be a mapping")
+    models_d = d.get("models")
+    if not isinstance(models_d, dict) or not models_d:
+        raise ProfileError(f"{source}: models: must be a non-empty mapping")
+    models = {str(m): _model(str(m), v, f"{source}: models.{m}") for m, v in models_d.items()}
+    names = list(models)
+    tasks_d = d.get("tasks")
+    if not isinstance(tasks_d, dict) or not tasks_d:
+        raise ProfileError(f"{source}: tasks: must be a non-empty mapping")
+    tasks = {}
+    for t, v in tasks_d.items():
+        w = f"{source}: tasks.{t}"
+        if not isinstance(v, dict):
+            raise ProfileError(f"{w}: must be a mapping")
+        tasks[str(t)] = TaskSpec(
+            str(t), _num(v, "share", w, lo=0), _lognormal(v.get("prompt_tokens"),
+                                                          f"{w}.prompt_tokens"),
+            _lognormal(v.get("output_tokens"), f"{w}.output_tokens"),
+            _per_model(v.get("output_scale"), names, f"{w}.output_scale", default=1.0),
+            _per_model(v.get("accuracy"), names, f"{w}.accuracy", hi=1.0))
+    if sum(t.share for t in tasks.values()) <= 0:
+        raise ProfileError(f"{source}: tasks: the shares sum to 0")
+    tt = d.get("ttft_target") or {}
+    try:
+        target = TargetRule(
+            tuple(tt.get("queue_ms", (1.0, 5.0))), float(tt.get("base_ms", 155.0)),
+            float(tt.get("per_prompt_token_ms", 0.035)), tuple(tt.get("jitter", (0.98, 1.02))),
+            tuple(tt.get("clip_ms", (150.0, 1120.0))))
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{source}: ttft_target: {e}") from None
+    return WorkloadProfile(str(d.get("name", source)), _num(d, "lambda", source, lo=0)
+                           if "lambda" in d else 5.0e-4, models, tasks,
+                           _num(d, "quality_concentration", source, lo=0.1)
+                           if "quality_concentration" in d else 8.0, target)
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.name.removesuffix(".yaml") for p in files(__package__).joinpath(
+        "profiles").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_workload(name_or_path: str | Path) -> WorkloadProfile:
+    """A built-in profile by name (``paper``, ``demo``) or a YAML file."""
+    name = str(name_or_path)
+    if name in builtin_profiles():
+        text = files(__package__).joinpath("profiles", f"{name}.yaml").read_text()
+        source = f"{name}.yaml"
+    else:
+        path = Path(name)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ProfileError(f"{name}: not a built-in workload ({', '.join(builtin_profiles())})"
+                               f" nor a readable file ({e.strerror or e})") from None
+        source = str(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{source}: not valid YAML ({e})") from None
+    return profile_from_dict(data, source)

@@ -1,0 +1,122 @@
+"""Request sets: what arrives, with everything the simulator knows about each request.
+
+Column by column (numpy), one row per request: arrival time, task, prompt tokens, the output
+length each model *would* produce, the quality each model's answer *would* get (the "truth" of
+a simulation), and the TTFT target.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from duetime.workload.profile import ProfileError, WorkloadProfile
+
+
+@dataclass(slots=True)
+class RequestSet:
+    arrival: np.ndarray         # (n,) seconds
+    task: np.ndarray            # (n,) task index into tasks
+    prompt: np.ndarray          # (n,) tokens
+    output: np.ndarray          # (n, models) tokens each model would generate
+    quality: np.ndarray         # (n, models) realised quality of each model's answer, in [0, 1]
+    target: np.ndarray          # (n,) TTFT target, seconds
+    tasks: list[str]
+    models: list[str]
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+
+def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,
+                    rng: np.random.Generator) -> RequestSet:
+    """Requests for the given arrival times, drawn from the profile."""
+    n = len(arrival)
+    tasks = profile.task_names
+    models = profile.model_names
+    share = np.array([profile.tasks[t].share for t in tasks])
+    task = rng.choice(len(tasks), size=n, p=share / share.sum())
+    prompt = np.zeros(n, dtype=np.int64)
+    output = np.zeros((n, len(models)), dtype=np.int64)
+    quality = np.zeros((n, len(models)))
+    k = profile.quality_concentration
+    for ti, t in enumerate(tasks):
+        idx = np.flatnonzero(task == ti)
+        if not idx.size:
+            continue
+        spec = profile.tasks[t]
+        prompt[idx] = spec.prompt.sample(rng, idx.size)
+        base = spec.output.sample(rng, idx.size)  # one "natural" length per request
+        for mi, m in enumerate(models):
+            scale = spec.output_scale[m] * np.exp(rng.normal(0.0, 0.1, idx.size))
+            output[idx, mi] = np.clip(np.rint(base * scale), 1, spec.output.hi * 2)
+            mean = min(max(spec.accuracy[m], 1e-3), 1 - 1e-3)
+            quality[idx, mi] = rng.beta(mean * k, (1 - mean) * k, idx.size)
+    target = profile.target.sample(rng, prompt)
+    return RequestSet(np.asarray(arrival, dtype=float), task, prompt, output, quality, target,
+                      tasks, models)
+
+
+TRACE_COLUMNS = ("arrival", "task", "prompt_tokens", "output_tokens", "ttft_target_ms")
+
+
+def load_trace(path: str | Path, profile: WorkloadProfile,
+               rng: np.random.Generator) -> RequestSet:
+    """Replay a trace (CSV with a header, or JSONL). Columns / keys:
+
+    ``arrival`` (seconds, required), ``task`` (a task of the profile, required),
+    ``prompt_tokens`` (required), ``output_tokens`` (optional: the same for every model;
+    else drawn from the profile), ``ttft_target_ms`` (optional: else the profile's rule),
+    ``quality_<model>`` (optional: else drawn from the profile). Rows are sorted by arrival.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read ({e.strerror or e})") from None
+    rows: list[dict] = []
+    if path.suffix == ".jsonl":
+        for i, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ProfileError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+    else:
+        rows = list(csv.DictReader(text.splitlines()))
+    if not rows:
+        raise ProfileError(f"{path}: no rows")
+    tasks, models = profile.task_names, profile.model_names
+    n = len(rows)
+    base = sample_requests(profile, np.zeros(n), rng)
+    arrival = np.zeros(n)
+    for i, row in enumerate(rows):
+        line = f"{path}:{i + 2 if path.suffix != '.jsonl' else i + 1}"
+        try:
+            arrival[i] = float(row["arrival"])
+            t = str(row["task"])
+            if t not in tasks:
+                raise ProfileError(f"{line}: task: unknown task {t!r} (profile tasks: {tasks})")
+            base.task[i] = tasks.index(t)
+            base.prompt[i] = int(row["prompt_tokens"])
+            if base.prompt[i] < 1:
+                raise ValueError("prompt_tokens must be >= 1")
+            if row.get("output_tokens") not in (None, ""):
+                base.output[i, :] = int(row["output_tokens"])
+            if row.get("ttft_target_ms") not in (None, ""):
+                base.target[i] = float(row["ttft_target_ms"]) / 1000.0
+            for mi, m in enumerate(models):
+                q = row.get(f"quality_{m}")
+                if q not in (None, ""):
+                    base.quality[i, mi] = float(q)
+        except KeyError as e:
+            raise ProfileError(f"{line}: {e.args[0]}: missing") from None
+        except (TypeError, ValueError) as e:
+            raise ProfileError(f"{line}: {e}") from None
+    order = np.argsort(arrival, kind="stable")
+    return RequestSet(arrival[order], base.task[order], base.prompt[order], base.output[order],
+                      base.quality[order], base.target[order], tasks, models)
