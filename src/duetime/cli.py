@@ -317,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--waiting", type=_count, default=20, metavar="N",
                    help="waiting requests (default 20)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+
+    from duetime.experiments.cli import add_commands as add_experiment_commands
+    add_experiment_commands(sub, command, CliError)
     return parser
 
 

@@ -1,0 +1,87 @@
+"""``duetime experiment`` and ``duetime simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from duetime.experiments import report as rp
+from duetime.experiments.catalog import EXPERIMENTS, run_experiment
+from duetime.experiments.runner import Point, Runner
+from duetime.policy import POLICY_NAMES
+from duetime.workload import ProfileError, builtin_profiles, load_workload
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _cmd_experiment(args: argparse.Namespace, error: type[Exception]) -> int:
+    o = run_experiment(args.name, Path(args.out), quick=args.quick, seed=args.seed, log=_log)
+    _log(f"wrote {args.out}/results.csv, summary.json, report.md and plots "
+         f"({o.summary['wall_s']:.0f} s)")
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
+    try:
+        profile = load_workload(args.workload)
+    except ProfileError as e:
+        raise error(str(e)) from None
+    if args.rate <= 0 or args.requests < 1:
+        raise error("--rate must be > 0 and --requests >= 1")
+    runner = Runner(profile, seed=args.seed, noise=args.noise,
+                    length_error=args.length_error, quality=args.quality)
+    row, _ = runner.run(Point(args.policy, args.rate, args.requests, args.arrivals,
+                                delta=args.delta))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rp.write_csv(out / "results.csv", [row])
+    summary: dict[str, Any] = dict(row, workload=profile.name, seed=args.seed,
+                                   realtime_factor=row["simulated_s"] / row["wall_s"])
+    rp.write_json(out / "summary.json", summary)
+    print(rp.md_table([row], ["router", "rate", "requests", "mean_ttft_s", "p95_ttft_s",
+                              "on_time", "utility", "ontime_utility", "wall_s",
+                              "simulated_s"]), end="")
+    return 0
+
+
+def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
+    """Register ``experiment`` and ``simulate`` on the ``duetime`` parser tree."""
+    p = command("experiment", lambda a: _cmd_experiment(a, error),
+                "run one of the SFS paper's experiments in simulation",
+                "Run a named experiment over the simulated pool and write results.csv, "
+                "summary.json, PNG plots and report.md into --out. Experiments: "
+                + ", ".join(EXPERIMENTS) + ".")
+    p.add_argument("name", choices=list(EXPERIMENTS), metavar="NAME",
+                   help=f"one of: {', '.join(EXPERIMENTS)}")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer requests and rates (about two minutes)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+
+    p = command("simulate", lambda a: _cmd_simulate(a, error),
+                "simulate one router on one request stream",
+                "Route a stream of requests over the simulated pool (one instance per model of "
+                "the workload) with one policy; print the headline numbers and write "
+                "results.csv and summary.json (with wall_s and simulated_s) into --out.")
+    p.add_argument("--policy", required=True, choices=POLICY_NAMES, metavar="P",
+                   help=f"one of: {', '.join(POLICY_NAMES)}")
+    p.add_argument("--rate", type=float, required=True, metavar="R", help="arrivals per second")
+    p.add_argument("--requests", type=int, required=True, metavar="N", help="requests")
+    p.add_argument("--workload", default="paper", metavar="NAME|FILE",
+                   help=f"a built-in workload ({', '.join(builtin_profiles())}) or a YAML "
+                   "profile (default paper)")
+    p.add_argument("--arrivals", default="poisson", choices=["poisson", "mmpp2", "deterministic"],
+                   help="arrival process (default poisson)")
+    p.add_argument("--delta", type=float, default=1e-6, help="sfs-soft's delta (per us)")
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="log-space spread of per-step time noise on the instances (default 0)")
+    p.add_argument("--length-error", type=float, default=0.3,
+                   help="predicted output length = true x U(1-e, 1+e) (default 0.3)")
+    p.add_argument("--quality", choices=["table", "oracle"], default="table",
+                   help="predicted quality: the per-task table (default) or the truth")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
