@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from duetime.engine import Forecaster, ForecastError, SchedulerConfig, forecast, replay
+from duetime.engine import Forecaster, ForecastError, SchedulerConfig, Snapshot, forecast, replay
 from duetime.engine.synthetic import paper_like_snapshot
 from snapshots import SFS6, random_snapshot
 
@@ -119,3 +119,19 @@ def test_kernel_runs_as_plain_python_without_numba() -> None:
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_forecasts_do_not_depend_on_the_snapshot_clock() -> None:
+    """Replays run relative to the snapshot: an epoch-sized ``time`` changes nothing."""
+    rng = random.Random(11)
+    for _ in range(10):
+        snap = random_snapshot(rng, kv_pressure=False)
+        late = Snapshot(snap.config, snap.model, time=1.7e9, running=snap.running_table,
+                        waiting=snap.waiting_table)
+        for p in (1, 100, 3000):
+            a, b = _run(forecast, snap, p), _run(forecast, late, p)
+            if isinstance(a, ForecastError):
+                assert isinstance(b, ForecastError)
+                continue
+            assert (a.estimate_s, a.steps) == (b.estimate_s, b.steps)
+            assert replay(snap, p).estimate_s == replay(late, p).estimate_s

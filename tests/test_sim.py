@@ -238,3 +238,21 @@ def test_ontime_utility_is_utility_of_on_time_requests() -> None:
     assert s["ontime_utility"] == pytest.approx(float(np.mean(u * on)))
     assert s["utility"] == pytest.approx(float(np.mean(u)))
     assert s["mean_ttft_s"] == pytest.approx(float(np.mean(res.first_token - rs.arrival)))
+
+
+def test_closed_loop_keeps_n_requests_in_flight() -> None:
+    prof = load_workload("paper")
+    rs = sample_requests(prof, np.zeros(200), np.random.default_rng(4))
+    res = ClusterSim(prof, make_policy("shortest-queue"), seed=4).run(rs, closed_loop=8)
+    a = res.requests.arrival
+    assert np.all(a[:8] == 0.0) and np.all(np.diff(a) >= 0)
+    assert np.all(np.isfinite(res.finish)) and np.all(res.first_token > a)
+    # each later request is sent at the moment an earlier one finished
+    finishes = set(res.finish.tolist())
+    assert all(t in finishes for t in a[8:].tolist())
+    events = sorted([(t, 1) for t in a] + [(t, -1) for t in res.finish])
+    level = peak = 0
+    for _, d in events:
+        level += d
+        peak = max(peak, level)
+    assert peak == 8

@@ -1,5 +1,8 @@
 """TTFT and end-to-end forecasts from a snapshot (the SFS estimator's core).
 
+Replays run on a clock that starts at 0 at the snapshot (snapshot times may be Unix epochs,
+whose rounding would otherwise add ~1e-7 s per step); traces report absolute step ends.
+
 A forecast appends a probe request at the tail of the waiting queue and replays the scheduler
 until the probe's first token (or its finish), with no arrivals.
 
@@ -87,7 +90,7 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     run, wait = snapshot.running_table, snapshot.waiting_table
     req, stamps, running, wq, st, clock = kn.prepare(
         run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
-        wait.predicted, cfg.block_size, cfg.num_gpu_blocks, sigma, snapshot.time)
+        wait.predicted, cfg.block_size, cfg.num_gpu_blocks, sigma, 0.0)
     if st[kn.FREE] < 0:
         raise ForecastError(f"snapshot: the running requests hold "
                             f"{cfg.num_gpu_blocks - int(st[kn.FREE])} KV blocks but "
@@ -158,7 +161,7 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     stop = _check_probe(snapshot.config, prompt_tokens, predicted_output_tokens, until)
     prompt_tokens = int(prompt_tokens)
     pid = _probe_id(snapshot)
-    t0 = snapshot.time
+    t0 = 0.0  # replay on a clock relative to the snapshot: no rounding of large epoch times
     what = f"the probe's {until}"
     if reference or trace:
         req = _state(snapshot, sigma)[0]
@@ -181,7 +184,9 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
                     raise ForecastError(f"replay did not reach {what} within {max_steps} steps")
                 rec = eng.step()
                 if steps is not None and rec is not None:
-                    steps.append(rec.to_dict())
+                    step = rec.to_dict()
+                    step["end"] += snapshot.time
+                    steps.append(step)
         except EngineStuck as e:
             raise ForecastError(f"replay cannot progress: {e}") from None
         return Forecast(getattr(probe, attr) - t0, eng.steps, steps)
@@ -313,12 +318,12 @@ class Forecaster:
     def _finish(self, p: int, e: int, sq: int, nsteps: int) -> Forecast:
         """The probe's prompt completes in base step ``e``."""
         end = float(self._rec_t[e]) + self._marginal(p, p, sq, nsteps)
-        return Forecast(end - self.snapshot.time, e + 1)
+        return Forecast(end, e + 1)
 
     def _alone(self, p: int, c: int, extra: float) -> Forecast:
         """The base is idle with ``c`` of the probe's ``p`` tokens computed and ``extra`` of
         its batch time spent; it runs alone from there, full chunks per step."""
-        t = (float(self._rec_t[self._n - 1]) if self._n else self.snapshot.time) + extra
+        t = (float(self._rec_t[self._n - 1]) if self._n else 0.0) + extra
         k = self._n
         rem = p - c
         y = min(self._cap, self._budget)
@@ -328,7 +333,7 @@ class Forecaster:
         attn = p * (p + 1) // 2 - c * (c + 1) // 2
         own = self._model.duration(0, rem, sq, attn, 0, j * p, j * p * p) + (
             (j - 1) * self._model.intercept)
-        return Forecast(t + own - self.snapshot.time, k + j)
+        return Forecast(t + own, k + j)
 
     def _replay(self, p: int) -> Forecast:
         return replay(self.snapshot, p, None, "first_token", sigma=self.sigma,

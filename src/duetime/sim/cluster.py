@@ -121,6 +121,11 @@ class SimResult:
         return float(np.nanmax(self.finish) - self.requests.arrival[0]) if len(self.finish) else 0.0
 
 
+def _closed_loop_times(requests: RequestSet) -> RequestSet:
+    return RequestSet(np.zeros(len(requests)), requests.task, requests.prompt, requests.output,
+                      requests.quality, requests.target, requests.tasks, requests.models)
+
+
 class ClusterSim:
     """Route a request set over a pool of simulated instances with one policy."""
 
@@ -148,7 +153,10 @@ class ClusterSim:
         self.charge_overhead = charge_overhead
         self.shadow_estimators = shadow_estimators
 
-    def run(self, requests: RequestSet) -> SimResult:
+    def run(self, requests: RequestSet, *, closed_loop: int | None = None) -> SimResult:
+        """Route ``requests`` in arrival order (open loop), or with ``closed_loop`` = N
+        clients that each send their next request when the previous one finishes (the
+        requests' own arrival times are then ignored and replaced)."""
         t_wall = wallclock.perf_counter()
         prof = self.profile
         rng = np.random.default_rng(self.seed + 1)
@@ -178,10 +186,10 @@ class ClusterSim:
         shadow = {est.name: np.full(n, np.nan) for est in self.shadow_estimators}
         overhead = np.zeros(n)
         rows = np.zeros(n, dtype=np.int64)
-        for i in range(n):
-            t = float(requests.arrival[i])
+
+        def dispatch(i: int, t: float) -> None:
+            """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``)."""
             for inst in insts:
-                inst.engine.run_until(t)
                 inst.now = t
             req = RoutingRequest(str(i), int(requests.prompt[i]), pred_q[i, cand_model],
                                  pred_out[i, cand_model], float(requests.target[i]),
@@ -201,6 +209,15 @@ class ClusterSim:
             chosen[i] = d.index
             if d.forecast is not None:
                 forecast[i] = d.forecast
+
+        if closed_loop is None:
+            for i in range(n):
+                t = float(requests.arrival[i])
+                for inst in insts:
+                    inst.engine.run_until(t)
+                dispatch(i, t)
+        else:
+            requests = self._closed_loop(requests, insts, closed_loop, dispatch)
         first = np.full(n, np.nan)
         fin = np.full(n, np.nan)
         for k, inst in enumerate(insts):
@@ -214,3 +231,34 @@ class ClusterSim:
         return SimResult(requests, [name for name, _ in self.pairs], inst_model, chosen, first,
                          fin, forecast, shadow, overhead, prof.lam, prices,
                          wallclock.perf_counter() - t_wall)
+
+    @staticmethod
+    def _closed_loop(requests: RequestSet, insts: list[SimInstance], clients: int,
+                     dispatch) -> RequestSet:
+        """Event loop for N clients: the busy instance with the earliest clock steps next; a
+        request that finishes at ``t`` makes its client send the next one at ``t``, routed
+        once every busy instance has reached ``t``."""
+        if clients < 1:
+            raise ValueError(f"closed_loop: needs >= 1 client, got {clients}")
+        out = _closed_loop_times(requests)
+        n = len(requests)
+        pending = [0.0] * min(clients, n)  # send times, sorted
+        nxt = 0
+        while pending or any(not inst.engine.idle for inst in insts):
+            busy = [inst for inst in insts if not inst.engine.idle]
+            horizon = min((inst.engine.time for inst in busy), default=float("inf"))
+            if pending and pending[0] <= horizon:
+                t = pending.pop(0)
+                for inst in insts:
+                    if inst.engine.idle:
+                        inst.engine.advance_clock(t)
+                out.arrival[nxt] = t
+                dispatch(nxt, t)
+                nxt += 1
+                continue
+            step = min(busy, key=lambda inst: inst.engine.time).engine.step()
+            for _ in (step.finished if step else ()):
+                if nxt + len(pending) < n:
+                    pending.append(step.end)
+            pending.sort()
+        return out
