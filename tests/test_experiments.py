@@ -51,3 +51,20 @@ def test_simulate_bad_workload(tmp_path, capsys) -> None:
                  "--workload", str(tmp_path / "none.yaml"), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("duetime: error:") and err.count("\n") == 1
+
+
+def test_simulate_trace_and_closed_loop(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival,task,prompt_tokens,output_tokens\n0.5,alpaca,30,100\n"
+                     "0.1,govreport,9000,\n0.2,hotpotqa,1500,50\n")
+    out = tmp_path / "trace"
+    assert main(["simulate", "--policy", "sfs", "--trace", str(trace), "--out", str(out)]) == 0
+    rows = list(csv.DictReader((out / "requests.csv").open()))
+    assert [r["task"] for r in rows] == ["govreport", "hotpotqa", "alpaca"]
+    assert all(float(r["first_token_s"]) > float(r["arrival_s"]) for r in rows)
+    out = tmp_path / "closed"
+    assert main(["simulate", "--policy", "shortest-queue", "--requests", "50", "--clients",
+                 "4", "--out", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["clients"] == 4
+    code = main(["simulate", "--policy", "sfs", "--out", str(tmp_path / "x")])
+    assert code == 2 and "--requests" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from duetime.engine import Paper4, ResidentRequest, SchedulerConfig, Snapshot
 from duetime.estimate import InstanceStats, LpsEstimator, SfsEstimator, ThroughputEstimator
 from duetime.metrics import auc, forecast_mape, routing_share, summarize
 from duetime.policy import Candidate, RoutingRequest, load_aware_score, make_policy, utility
-from duetime.sim import ClusterSim
+from duetime.sim import ClusterSim, SimInstance
 from duetime.workload import (
     MMPP2,
     Deterministic,
@@ -256,3 +256,23 @@ def test_closed_loop_keeps_n_requests_in_flight() -> None:
         level += d
         peak = max(peak, level)
     assert peak == 8
+
+
+def test_an_idle_instance_snapshot_follows_its_clock() -> None:
+    """A cached snapshot must not go stale when an idle engine's clock jumps."""
+    inst = SimInstance("a", load_workload("paper").models["qwen3-8b"])
+    inst.engine.run_until(1.0)
+    assert inst.snapshot().time == 1.0
+    inst.engine.run_until(2.0)
+    assert inst.snapshot().time == 2.0
+
+
+def test_sfs_forecasts_are_measured_from_the_arrival() -> None:
+    prof = load_workload("paper")
+    rng = np.random.default_rng(6)
+    rs = sample_requests(prof, Poisson(0.5).times(60, rng), rng)  # mostly idle instances
+    res = ClusterSim(prof, make_policy("sfs"), length_error=0.0, seed=6).run(rs)
+    ok = np.isfinite(res.forecast)
+    assert ok.all() and np.all(res.forecast > 0)
+    # with exact lengths and no noise the forecast is the realised TTFT
+    assert np.allclose(res.forecast, res.ttft, rtol=1e-9, atol=1e-9)

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from duetime.experiments import report as rp
 from duetime.experiments.catalog import EXPERIMENTS, run_experiment
 from duetime.experiments.runner import Point, Runner
 from duetime.policy import POLICY_NAMES
-from duetime.workload import ProfileError, builtin_profiles, load_workload
+from duetime.sim import SimResult
+from duetime.workload import ProfileError, builtin_profiles, load_trace, load_workload
 
 
 def _log(msg: str) -> None:
@@ -30,15 +34,31 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
         profile = load_workload(args.workload)
     except ProfileError as e:
         raise error(str(e)) from None
-    if args.rate <= 0 or args.requests < 1:
+    if not args.trace and args.requests is None:
+        raise error("--requests is required (unless --trace replays a file)")
+    if not args.trace and args.clients is None and args.rate is None:
+        raise error("--rate is required (unless --trace replays a file or --clients runs a "
+                    "closed loop)")
+    if (args.rate is not None and args.rate <= 0) or (args.requests is not None
+                                                      and args.requests < 1):
         raise error("--rate must be > 0 and --requests >= 1")
+    args.rate = args.rate or 1.0
+    args.requests = args.requests or 1
     runner = Runner(profile, seed=args.seed, noise=args.noise,
-                    length_error=args.length_error, quality=args.quality)
-    row, _ = runner.run(Point(args.policy, args.rate, args.requests, args.arrivals,
-                                delta=args.delta))
+                    length_error=args.length_error, quality=args.quality,
+                    charge_overhead=args.charge_overhead)
+    point = Point(args.policy, args.rate, args.requests, args.arrivals, delta=args.delta)
+    if args.trace:
+        try:
+            runner.set_stream(point, load_trace(args.trace, profile,
+                                                np.random.default_rng(args.seed)))
+        except ProfileError as e:
+            raise error(str(e)) from None
+    row, res = runner.run(point, closed_loop=args.clients)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rp.write_csv(out / "results.csv", [row])
+    _write_requests(out / "requests.csv", res)
     summary: dict[str, Any] = dict(row, workload=profile.name, seed=args.seed,
                                    realtime_factor=row["simulated_s"] / row["wall_s"])
     rp.write_json(out / "summary.json", summary)
@@ -46,6 +66,23 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
                               "on_time", "utility", "ontime_utility", "wall_s",
                               "simulated_s"]), end="")
     return 0
+
+
+def _write_requests(path: Path, res: SimResult) -> None:
+    """Every request's record: arrival, instance, model, target, first token, finish,
+    realised quality and cost, and the policy's forecast."""
+    rs = res.requests
+    cols = {"id": np.arange(len(rs)), "arrival_s": rs.arrival,
+            "task": np.array(rs.tasks)[rs.task], "prompt_tokens": rs.prompt,
+            "instance": np.array(res.instance_names)[res.instance],
+            "model": np.array(rs.models)[res.model], "output_tokens": res.output_tokens,
+            "ttft_target_s": rs.target, "first_token_s": res.first_token,
+            "finish_s": res.finish, "ttft_s": res.ttft, "quality": res.quality,
+            "cost_micro_usd": res.cost, "forecast_ttft_s": res.forecast}
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        w.writerows(zip(*(c.tolist() for c in cols.values()), strict=True))
 
 
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
@@ -66,11 +103,13 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "simulate one router on one request stream",
                 "Route a stream of requests over the simulated pool (one instance per model of "
                 "the workload) with one policy; print the headline numbers and write "
-                "results.csv and summary.json (with wall_s and simulated_s) into --out.")
+                "results.csv, requests.csv (every request's record) and summary.json (with "
+                "wall_s and simulated_s) into --out.")
     p.add_argument("--policy", required=True, choices=POLICY_NAMES, metavar="P",
                    help=f"one of: {', '.join(POLICY_NAMES)}")
-    p.add_argument("--rate", type=float, required=True, metavar="R", help="arrivals per second")
-    p.add_argument("--requests", type=int, required=True, metavar="N", help="requests")
+    p.add_argument("--rate", type=float, default=None, metavar="R",
+                   help="arrivals per second")
+    p.add_argument("--requests", type=int, default=None, metavar="N", help="requests")
     p.add_argument("--workload", default="paper", metavar="NAME|FILE",
                    help=f"a built-in workload ({', '.join(builtin_profiles())}) or a YAML "
                    "profile (default paper)")
@@ -83,5 +122,14 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="predicted output length = true x U(1-e, 1+e) (default 0.3)")
     p.add_argument("--quality", choices=["table", "oracle"], default="table",
                    help="predicted quality: the per-task table (default) or the truth")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="replay a trace (CSV or JSONL: arrival, task, prompt_tokens, and "
+                   "optionally output_tokens, ttft_target_ms, quality_<model>) instead of "
+                   "drawing --requests at --rate")
+    p.add_argument("--clients", type=int, default=None, metavar="N",
+                   help="closed loop: N clients, each sending its next request when the "
+                   "previous one finishes (arrival times are then ignored)")
+    p.add_argument("--charge-overhead", action="store_true",
+                   help="delay each request by the measured routing time")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")

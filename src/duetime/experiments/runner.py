@@ -43,10 +43,19 @@ class Runner:
     noise: float = 0.0
     length_error: float = 0.3
     quality: str = "table"
+    charge_overhead: bool = False
     _streams: dict[tuple, RequestSet] = field(default_factory=dict)
 
+    @staticmethod
+    def _key(p: Point) -> tuple:
+        return (p.rate, p.requests, p.arrivals, p.arrival_kw)
+
+    def set_stream(self, p: Point, requests: RequestSet) -> None:
+        """Use these requests (e.g. a replayed trace) for the point's stream."""
+        self._streams[self._key(p)] = requests
+
     def requests(self, p: Point) -> RequestSet:
-        key = (p.rate, p.requests, p.arrivals, p.arrival_kw)
+        key = self._key(p)
         got = self._streams.get(key)
         if got is None:
             rng = np.random.default_rng([self.seed, int(p.rate * 1000), p.requests])
@@ -54,14 +63,16 @@ class Runner:
             got = self._streams[key] = sample_requests(self.profile, times, rng)
         return got
 
-    def run(self, p: Point, shadow: tuple[Estimator, ...] = ()) -> tuple[dict[str, Any],
-                                                                        SimResult]:
+    def run(self, p: Point, shadow: tuple[Estimator, ...] = (),
+            closed_loop: int | None = None) -> tuple[dict[str, Any], SimResult]:
         policy = make_policy(p.router, lam=self.profile.lam, seed=self.seed, delta=p.delta)
         sim = ClusterSim(self.profile, policy, noise=self.noise,
                          length_error=self.length_error, quality=self.quality, seed=self.seed,
-                         shadow_estimators=shadow)
-        res = sim.run(self.requests(p))
+                         charge_overhead=self.charge_overhead, shadow_estimators=shadow)
+        res = sim.run(self.requests(p), closed_loop=closed_loop)
         row: dict[str, Any] = {"router": p.name, "rate": p.rate, "arrivals": p.arrivals}
+        if closed_loop is not None:
+            row["clients"] = closed_loop
         row.update(dict(p.arrival_kw))
         if p.router == "sfs-soft":
             row["delta"] = p.delta
@@ -75,12 +86,14 @@ class Runner:
                 keep: Callable[[Point], bool] | None = None,
                 shadow: tuple[Estimator, ...] = ()) -> tuple[list[dict], dict[Point, SimResult]]:
         rows, kept = [], {}
-        for p in points:
+        points = list(points)
+        for k, p in enumerate(points, 1):
             row, res = self.run(p, shadow)
             rows.append(row)
             if keep is not None and keep(p):
                 kept[p] = res
             if progress is not None:
-                progress(f"{p.name} @ {p.rate:g} q/s: on time {row['on_time']:.3f}, "
-                         f"OnTimeUtility {row['ontime_utility']:.3f}")
+                progress(f"[{k}/{len(points)}] {p.name} @ {p.rate:g} q/s: on time "
+                         f"{row['on_time']:.3f}, OnTimeUtility {row['ontime_utility']:.3f} "
+                         f"({row['wall_s']:.1f} s)")
         return rows, kept

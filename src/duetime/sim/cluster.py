@@ -35,7 +35,7 @@ class SimInstance:
         self.engine = Engine(spec.config, spec.batch_time, noise=noise)
         self.now = 0.0
         self._snap: Snapshot | None = None
-        self._snap_key: tuple[int, int] = (-1, -1)
+        self._snap_key: tuple[int, int, float] = (-1, -1, -1.0)
 
     # InstanceView
     @property
@@ -51,7 +51,7 @@ class SimInstance:
         return 1.0 - self.engine.free_blocks / self.spec.config.num_gpu_blocks
 
     def snapshot(self) -> Snapshot:
-        key = (self.engine.steps, len(self.engine._ids))
+        key = (self.engine.steps, len(self.engine._ids), self.engine.time)
         if key != self._snap_key:
             self._snap = self.engine.snapshot()
             self._snap_key = key

@@ -94,6 +94,7 @@ def load_trace(path: str | Path, profile: WorkloadProfile,
     n = len(rows)
     base = sample_requests(profile, np.zeros(n), rng)
     arrival = np.zeros(n)
+    given_target = np.zeros(n, dtype=bool)
     for i, row in enumerate(rows):
         line = f"{path}:{i + 2 if path.suffix != '.jsonl' else i + 1}"
         try:
@@ -109,6 +110,7 @@ def load_trace(path: str | Path, profile: WorkloadProfile,
                 base.output[i, :] = int(row["output_tokens"])
             if row.get("ttft_target_ms") not in (None, ""):
                 base.target[i] = float(row["ttft_target_ms"]) / 1000.0
+                given_target[i] = True
             for mi, m in enumerate(models):
                 q = row.get(f"quality_{m}")
                 if q not in (None, ""):
@@ -117,6 +119,9 @@ def load_trace(path: str | Path, profile: WorkloadProfile,
             raise ProfileError(f"{line}: {e.args[0]}: missing") from None
         except (TypeError, ValueError) as e:
             raise ProfileError(f"{line}: {e}") from None
+    # targets by the profile's rule, from the trace's own prompt lengths
+    rule = profile.target.sample(rng, base.prompt)
+    base.target = np.where(given_target, base.target, rule)
     order = np.argsort(arrival, kind="stable")
     return RequestSet(arrival[order], base.task[order], base.prompt[order], base.output[order],
                       base.quality[order], base.target[order], tasks, models)
