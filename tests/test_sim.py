@@ -173,13 +173,21 @@ def test_estimators() -> None:
     assert sfs == pytest.approx(2 * 0.01 + 1e-4 * (512 + 389))
     thr = ThroughputEstimator().ttft(v, 100, 0.0)
     assert thr > 0
-    stats = InstanceStats(elapsed_s=10.0, arrivals=20, ttft_s_sum=1.0, ttft_count=10,
-                          e2e_s_sum=100.0, e2e_count=10)
-    lps = LpsEstimator(k=2.0).ttft(View(stats=stats), 100, 0.0)
-    # alpha = 2/s, mu = k / mean e2e = 0.2/s: saturated
-    assert lps == 60.0
-    stats.e2e_s_sum = 5.0  # mu = 4/s: wait = (2/4)^2 / (4 - 2) = 0.125, + mean TTFT 0.1
-    assert LpsEstimator(k=2.0).ttft(View(stats=stats), 100, 0.0) == pytest.approx(0.225)
+    # LPS: alpha = 2/s, mean prompt 100, mean output 10; k = max_num_seqs = 16 (KV is ample);
+    # mu = 1 / (10 * step(16 decoders) / 16 + prefill(100) - b0) = 1 / (0.00725 + 0.01)
+    stats = InstanceStats(elapsed_s=10.0, arrivals=20, e2e_s_sum=5.0, e2e_count=10,
+                          prompt_tokens_sum=2000, output_tokens_sum=100)
+    mu = 1 / (10 * (0.01 + 16e-4) / 16 + 0.01)
+    want = (2 / mu) ** 16 / (mu - 2) + 0.02
+    assert LpsEstimator().ttft(View(snap=busy(0), stats=stats), 100, 0.0) == pytest.approx(want)
+    stats.arrivals, stats.prompt_tokens_sum = 1000, 100_000  # alpha = 100/s > mu: saturated
+    assert LpsEstimator().ttft(View(snap=busy(0), stats=stats), 100, 0.0) == 60.0
+    # with k = 2 given: mu = 1 / (10 * step(2) / 2 + 0.01) = 16.4/s, alpha = 10/s
+    stats.arrivals, stats.prompt_tokens_sum = 100, 10_000
+    mu2 = 1 / (10 * (0.01 + 2e-4) / 2 + 0.01)
+    want = (10 / mu2) ** 2 / (mu2 - 10) + 0.02
+    assert LpsEstimator(k=2).ttft(View(snap=busy(0), stats=stats), 100, 0.0) == pytest.approx(
+        want)
 
 
 # -- the simulator --------------------------------------------------------------------------------

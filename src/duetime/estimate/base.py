@@ -18,6 +18,8 @@ class InstanceStats:
     ttft_count: int = 0
     e2e_s_sum: float = 0.0        # Σ end-to-end latency of its finished requests
     e2e_count: int = 0
+    prompt_tokens_sum: int = 0    # Σ prompt tokens of its requests in the window
+    output_tokens_sum: int = 0    # Σ output tokens of its finished requests
 
     @property
     def arrival_rate(self) -> float:
@@ -30,6 +32,14 @@ class InstanceStats:
     @property
     def mean_e2e(self) -> float:
         return self.e2e_s_sum / self.e2e_count if self.e2e_count else 0.0
+
+    @property
+    def mean_prompt(self) -> float:
+        return self.prompt_tokens_sum / self.arrivals if self.arrivals else 0.0
+
+    @property
+    def mean_output(self) -> float:
+        return self.output_tokens_sum / self.e2e_count if self.e2e_count else 0.0
 
 
 class InstanceView(Protocol):

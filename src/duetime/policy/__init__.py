@@ -24,7 +24,7 @@ POLICY_NAMES = ("round-robin", "shortest-queue", "load-aware", "latency-agnostic
 
 
 def make_policy(name: str, *, lam: float = 5.0e-4, seed: int = 0, delta: float = 1e-6,
-                lps_k: float = 25.0) -> Policy:
+                lps_k: float | None = None) -> Policy:
     """A policy by its CLI/config name."""
     kw = {"lam": lam, "seed": seed}
     if name == "round-robin":

@@ -70,11 +70,13 @@ class SimInstance:
         first, fin = stamps[:, 0], stamps[:, 1]
         got_first = first <= self.now
         done = fin <= self.now
+        req = eng._req[lo:n]
         return InstanceStats(
             elapsed_s=max(self.now - float(arrival[0]), 1e-9), arrivals=n - lo,
             ttft_s_sum=float((first - arrival)[got_first].sum()),
             ttft_count=int(got_first.sum()),
-            e2e_s_sum=float((fin - arrival)[done].sum()), e2e_count=int(done.sum()))
+            e2e_s_sum=float((fin - arrival)[done].sum()), e2e_count=int(done.sum()),
+            prompt_tokens_sum=int(req[:, 0].sum()), output_tokens_sum=int(req[done, 1].sum()))
 
 
 @dataclass(slots=True)
