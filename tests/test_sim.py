@@ -284,3 +284,38 @@ def test_sfs_forecasts_are_measured_from_the_arrival() -> None:
     assert ok.all() and np.all(res.forecast > 0)
     # with exact lengths and no noise the forecast is the realised TTFT
     assert np.allclose(res.forecast, res.ttft, rtol=1e-9, atol=1e-9)
+
+
+def test_sfs_soft_trades_utility_for_forecast() -> None:
+    views = [View(snap=busy(0)), View(snap=busy(20)), View(snap=busy(2))]
+    c = cands(views)
+    r = req(quality=(0.5, 0.9, 0.7), target=0.1)
+    assert make_policy("sfs-soft", delta=0.0).choose(r, c, 0).index == 1  # latency-agnostic
+    d = make_policy("sfs-soft", delta=1e-6).choose(r, c, 0)
+    # forecasts: idle 0.02 s, 20 queued 400-token prompts ~1.8 s, 2 queued ~0.11 s;
+    # scores u - 1e-6 * us: 0.5 - 0.02, 0.9 - 1.8, 0.7 - 0.11: instance 2
+    assert d.index == 2 and d.forecast == pytest.approx(SfsEstimator().ttft(views[2], 100, 0))
+
+
+def test_a_custom_length_model_feeds_the_snapshots() -> None:
+    prof = load_workload("paper")
+    rng = np.random.default_rng(8)
+    rs = sample_requests(prof, Poisson(4.0).times(200, rng), rng)
+    seen = []
+
+    def exact(requests, rng):
+        seen.append(len(requests))
+        return requests.output
+
+    res = ClusterSim(prof, make_policy("sfs"), length_model=exact, seed=8).run(rs)
+    assert seen == [200]
+    # Exact lengths and no noise: a forecast is exact unless a later arrival joins the same
+    # instance before the first token (its chunk can lengthen a shared step); never too late.
+    assert np.all(res.forecast <= res.ttft + 1e-9)
+    undisturbed = [i for i in range(len(rs)) if not np.any(
+        (res.instance == res.instance[i]) & (rs.arrival > rs.arrival[i])
+        & (rs.arrival < res.first_token[i]))]
+    assert len(undisturbed) > 150
+    assert np.allclose(res.forecast[undisturbed], res.ttft[undisturbed], rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="shape"):
+        ClusterSim(prof, make_policy("sfs"), length_model=lambda r, g: r.output[:, :1]).run(rs)

@@ -12,6 +12,7 @@ until idle, so no request is lost: each one has a first token and a finish.
 from __future__ import annotations
 
 import time as wallclock
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,9 @@ from duetime.workload.profile import ModelSpec, WorkloadProfile
 from duetime.workload.requests import RequestSet
 
 STATS_WINDOW = 256  # recent requests an instance's time-averaged stats look at
+
+# Predicted output lengths for a request set: (requests, rng) -> (n, models) array.
+LengthModel = Callable[[RequestSet, np.random.Generator], np.ndarray]
 
 
 class SimInstance:
@@ -135,9 +139,12 @@ class ClusterSim:
                  instances: list[tuple[str, str]] | None = None, noise: float = 0.0,
                  length_error: float = 0.3, quality: str = "table", seed: int = 0,
                  charge_overhead: bool = False,
-                 shadow_estimators: tuple[Estimator, ...] = ()) -> None:
+                 shadow_estimators: tuple[Estimator, ...] = (),
+                 length_model: LengthModel | None = None) -> None:
         """``instances``: (instance name, model name) pairs; default one per model.
-        ``quality``: ``table`` (per-task mean accuracy) or ``oracle`` (the truth)."""
+        ``quality``: ``table`` (per-task mean accuracy) or ``oracle`` (the truth).
+        ``length_model``: predicted output lengths, (requests, rng) -> (n, models) array; by
+        default the truth x U(1 - length_error, 1 + length_error)."""
         if quality not in ("table", "oracle"):
             raise ValueError(f"quality: 'table' or 'oracle', got {quality!r}")
         self.profile = profile
@@ -154,6 +161,7 @@ class ClusterSim:
         self.seed = seed
         self.charge_overhead = charge_overhead
         self.shadow_estimators = shadow_estimators
+        self.length_model = length_model
 
     def run(self, requests: RequestSet, *, closed_loop: int | None = None) -> SimResult:
         """Route ``requests`` in arrival order (open loop), or with ``closed_loop`` = N
@@ -170,10 +178,15 @@ class ClusterSim:
         insts = [SimInstance(name, prof.models[m], noise=self.noise) for name, m in self.pairs]
         inst_model = [models.index(m) for _, m in self.pairs]
         n = len(requests)
-        e = self.length_error
-        pred_out = np.maximum(1, np.rint(requests.output * rng.uniform(1 - e, 1 + e,
-                                                                       requests.output.shape)))
-        pred_out = pred_out.astype(np.int64)
+        if self.length_model is None:
+            e = self.length_error
+            pred_out = requests.output * rng.uniform(1 - e, 1 + e, requests.output.shape)
+        else:
+            pred_out = np.asarray(self.length_model(requests, rng), dtype=float)
+            if pred_out.shape != requests.output.shape:
+                raise ValueError(f"length_model returned shape {pred_out.shape}, expected "
+                                 f"{requests.output.shape}")
+        pred_out = np.maximum(1, np.rint(pred_out)).astype(np.int64)
         if self.quality == "oracle":
             pred_q = requests.quality
         else:
