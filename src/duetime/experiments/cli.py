@@ -22,8 +22,42 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class _Bar:
+    """A progress bar on a terminal (rich), plain lines otherwise (logs, CI)."""
+
+    def __init__(self) -> None:
+        self.progress = None
+        self.task = None
+        if sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total}"),
+                                     TimeElapsedColumn(), transient=True)
+
+    def __call__(self, msg: str) -> None:
+        if self.progress is None:
+            _log(msg)
+            return
+        done, total = msg[1:msg.index("]")].split("/") if msg.startswith("[") else (0, 0)
+        if self.task is None or self.progress.tasks[self.task].total != int(total):
+            self.progress.start()
+            self.task = self.progress.add_task("", total=int(total))
+        self.progress.update(self.task, completed=int(done),
+                             description=msg[msg.index("]") + 2:][:60])
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
 def _cmd_experiment(args: argparse.Namespace, error: type[Exception]) -> int:
-    o = run_experiment(args.name, Path(args.out), quick=args.quick, seed=args.seed, log=_log)
+    bar = _Bar()
+    try:
+        o = run_experiment(args.name, Path(args.out), quick=args.quick, seed=args.seed,
+                           log=bar)
+    finally:
+        bar.close()
     _log(f"wrote {args.out}/results.csv, summary.json, report.md and plots "
          f"({o.summary['wall_s']:.0f} s)")
     return 0
