@@ -19,7 +19,9 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
     out = tmp_path / name
     assert main(["experiment", name, "--quick", "--out", str(out), "--seed", "1"]) == 0
     rows = list(csv.DictReader((out / "results.csv").open()))
-    assert rows and set(rows[0]) >= REQUIRED
+    required = (REQUIRED if name != "ttca" else
+                {"router", "context_tokens", "language", "mean_ttca_s", "success"})
+    assert rows and set(rows[0]) >= required
     summary = json.loads((out / "summary.json").read_text())
     assert summary["experiment"] == name and summary["quick"] is True
     report = (out / "report.md").read_text()
@@ -35,6 +37,10 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
             summary["auc"]["sfs"] / best - 1)
     if name == "estimators":
         assert set(summary["mape"]) == {"sfs", "throughput", "lps"}
+    if name == "ttca":
+        assert set(summary["ttca_gain"]) == {"laar_vs_load_aware", "laar_vs_session_affinity",
+                                             "ttca_vs_laar"}
+        assert summary["ttca_gain"]["laar_vs_load_aware"] > 0
 
 
 def test_simulate_command(tmp_path, capsys) -> None:

@@ -319,7 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
 
     from duetime.experiments.cli import add_commands as add_experiment_commands
+    from duetime.workload.cli import add_commands as add_workload_commands
     add_experiment_commands(sub, command, CliError)
+    add_workload_commands(sub, command, CliError)
     return parser
 
 

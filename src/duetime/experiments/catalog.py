@@ -1,4 +1,4 @@
-"""The SFS paper's experiments as named, reproducible runs.
+"""The papers' experiments as named, reproducible runs (SFS: demo .. estimators; LAAR: ttca).
 
 Each writes ``results.csv`` (one row per router x setting), ``summary.json`` (headline
 numbers), PNG plots and ``report.md`` into its output folder. ``quick`` shrinks the runs (fewer
@@ -19,7 +19,11 @@ from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
 from duetime.experiments import report as rp
 from duetime.experiments.runner import Point, Runner
 from duetime.metrics import auc, forecast_mape, routing_share
+from duetime.policy import make_policy
+from duetime.sim.retry import run_retries
 from duetime.workload import load_workload
+from duetime.workload.kvlookup import load_pool
+from duetime.workload.profile import ModelSpec
 
 # The paper's settings (shared/reference/paper-parameters.yaml).
 PAPER_RATES = (3, 4, 5, 6, 7, 8, 8.3, 8.6, 8.75, 9, 9.2, 9.3, 9.5)
@@ -190,9 +194,131 @@ def estimators(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
         rp.md_table(per_rate, ["rate", "estimator", "mape"])])
 
 
+def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+    """The LAAR paper's evaluation: KV lookups with retries on the five-model pool, per
+    (context length, language); load-aware, session-affinity, laar and ttca."""
+    pool = load_pool()
+    models = {m: ModelSpec(m, pm.batch_time, pm.config, 0.0, 0.0) for m, pm in pool.models.items()}
+    names = list(models)
+    contexts = pool.contexts[::2] if quick else pool.contexts
+    languages = pool.languages[:2] if quick else pool.languages
+    n_fit, n_eval = (20, 24) if quick else (50, 50)
+    routers = ("load-aware", "session-affinity", "laar", "ttca")
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    curves: dict[tuple[int, str, str], tuple[np.ndarray, np.ndarray]] = {}
+    total = len(contexts) * len(languages) * len(routers)
+    k = 0
+    for ci, ctx in enumerate(pool.contexts):
+        if ctx not in contexts:
+            continue
+        for lang in languages:
+            p = np.array([pool.models[m].p_success(lang, ci) for m in names])
+            truth = rng.random((n_fit + n_eval, len(names))) < p  # fixed per (query, model)
+            fit, ev = truth[:n_fit], truth[n_fit:]
+            # the router's success model: the fit queries' rate per model (Laplace-smoothed)
+            q_pred = np.repeat(((fit.sum(0) + 1) / (n_fit + 2))[None, :], n_eval, 0)
+            prompt = np.full(n_eval, ctx)
+            outs = np.full((n_eval, len(names)), pool.output_tokens)
+            for router in routers:
+                r = run_retries(models, make_policy(router, lam=0.0, seed=seed,
+                                                    alpha=pool.alpha),
+                                prompt, outs, ev, q_pred, clients=pool.concurrency,
+                                retry_cap=pool.retry_cap, seed=seed)
+                t = r.ttca
+                curves[(ctx, lang, router)] = (r.ttca_by_attempt(pool.retry_cap),
+                                               r.success_by_attempt(pool.retry_cap))
+                rows.append({"router": router, "rate": "", "context_tokens": ctx,
+                             "language": lang, "queries": n_eval, "mean_ttca_s": float(t.mean()),
+                             "p95_ttca_s": float(np.percentile(t, 95)),
+                             "success": float(r.solved.mean()),
+                             "mean_attempts": float(np.mean([len(a) for a in r.attempts])),
+                             "first_attempt_success": float(r.success_by_attempt(1)[0]),
+                             "wall_s": r.wall_s})
+                k += 1
+                log(f"[{k}/{total}] {router} @ {ctx} tokens, {lang}: mean TTCA "
+                    f"{t.mean():.2f} s, success {r.solved.mean():.2f}")
+
+    def mean_ttca(router: str, sel=lambda r: True) -> float:
+        vals = [r["mean_ttca_s"] for r in rows if r["router"] == router and sel(r)]
+        return float(np.mean(vals))
+
+    def gain(a: str, b: str, sel=lambda r: True) -> float:
+        return 1.0 - mean_ttca(a, sel) / mean_ttca(b, sel)
+
+    settings = sorted({(r["context_tokens"], r["language"]) for r in rows})
+    per_setting = []
+    for ctx, lang in settings:
+        def sel(r, ctx=ctx, lang=lang):
+            return r["context_tokens"] == ctx and r["language"] == lang
+        per_setting.append({"context_tokens": ctx, "language": lang,
+                            "laar_vs_load_aware": gain("laar", "load-aware", sel),
+                            "laar_vs_session_affinity": gain("laar", "session-affinity", sel),
+                            "ttca_vs_laar": gain("ttca", "laar", sel)})
+    summary = {
+        "ttca_gain": {"laar_vs_load_aware": gain("laar", "load-aware"),
+                      "laar_vs_session_affinity": gain("laar", "session-affinity"),
+                      "ttca_vs_laar": gain("ttca", "laar")},
+        "ttca_gain_max": {k2: max(x[k2] for x in per_setting) for k2 in
+                          ("laar_vs_load_aware", "laar_vs_session_affinity", "ttca_vs_laar")},
+        "per_setting": per_setting,
+        "note": "gain = 1 - mean TTCA of the first / mean TTCA of the second, over the settings "
+                "(each setting weighs the same); the pool's numbers are illustrative "
+                "(src/duetime/workload/kvlookup/pool.yaml)"}
+    _ttca_plots(out, curves, contexts, languages, routers, per_setting)
+    cols = ["router", "context_tokens", "language", "mean_ttca_s", "p95_ttca_s", "success",
+            "mean_attempts", "first_attempt_success"]
+    return Outcome(rows, summary, [
+        "## TTCA gains (mean over settings)\n\n"
+        + rp.md_table([{"comparison": k2, "gain": v, "max over settings":
+                        summary["ttca_gain_max"][k2]} for k2, v in summary["ttca_gain"].items()],
+                      ["comparison", "gain", "max over settings"])
+        + "\nPaper (LAAR vs load-aware / session-affinity): up to 31% / 49%.\n",
+        "![TTCA and success vs attempts](ttca_attempts.png)\n\n"
+        "![TTCA improvement](ttca_gain.png)\n",
+        rp.md_table(per_setting, ["context_tokens", "language", "laar_vs_load_aware",
+                                  "laar_vs_session_affinity", "ttca_vs_laar"]),
+        "## All settings\n\n" + rp.md_table(rows, cols)])
+
+
+def _ttca_plots(out: Path, curves, contexts, languages, routers, per_setting) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(languages), len(contexts), dpi=100, squeeze=False,
+                             figsize=(2.6 * len(contexts), 2.4 * len(languages)))
+    for li, lang in enumerate(languages):
+        for ci, ctx in enumerate(contexts):
+            ax = axes[li][ci]
+            for router in routers:
+                t, ok = curves[(ctx, lang, router)]
+                ax.plot(t, ok, marker=".", ms=3, label=router)
+            ax.set_title(f"{ctx // 1024}K {lang}", fontsize=8)
+            ax.tick_params(labelsize=6)
+            ax.set_ylim(0, 1.02)
+    axes[0][0].legend(fontsize=6)
+    fig.supxlabel("TTCA so far (s), attempts 1..R")
+    fig.supylabel("success rate")
+    fig.tight_layout()
+    fig.savefig(out / "ttca_attempts.png")
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7.0, 3.6), dpi=100)
+    labels = [f"{x['context_tokens'] // 1024}K {x['language']}" for x in per_setting]
+    xs = np.arange(len(per_setting))
+    for j, key in enumerate(("laar_vs_load_aware", "laar_vs_session_affinity",
+                             "ttca_vs_laar")):
+        ax.bar(xs + (j - 1) * 0.27, [x[key] for x in per_setting], width=0.27, label=key)
+    ax.set_xticks(xs, labels, rotation=60, fontsize=7)
+    ax.set_ylabel("TTCA improvement")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "ttca_gain.png")
+    plt.close(fig)
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
-    "composition": composition, "bursty": bursty, "estimators": estimators}
+    "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,
