@@ -34,13 +34,6 @@ class Request:
     def is_decoding(self) -> bool:
         return self.output >= 1 and self.prompt + self.output - self.computed == 1
 
-    def copy(self) -> Request:
-        r = Request(self.id, self.prompt, self.stop, output=self.output, computed=self.computed,
-                    blocks=self.blocks, arrival=self.arrival)
-        r.first_token = self.first_token
-        r.finished = self.finished
-        return r
-
     def __repr__(self) -> str:
         return (f"Request({self.id!r}, P={self.prompt}, O={self.output}, T={self.stop}, "
                 f"C={self.computed}, B={self.blocks})")

@@ -1,7 +1,7 @@
 """The reference step loop: vLLM V1 continuous batching, one request at a time.
 
 This is the plain, readable statement of ``shared/reference/vllm-v1-scheduler.md`` and the oracle
-that the fast replay (``duetime.engine.fast``) is tested against. It is also the stepping engine
+that the compiled replay (``duetime.engine.kernel``) is tested against. It is also a stepping engine
 for callers that want every step (traces, small simulations): add requests at step boundaries,
 call :meth:`ReferenceEngine.step`, read the :class:`StepRecord` it returns.
 """
@@ -73,11 +73,6 @@ class ReferenceEngine:
         else:
             held = config.num_gpu_blocks - free_blocks
         self.free_blocks = free_blocks
-        # What the last step left (read by the fast replay when it delegates a step here).
-        self.last_running_budget = 0   # budget left after the running phase
-        self.last_budget = 0           # budget left after the waiting phase
-        self.last_free_after = 0       # free blocks after all of the step's allocations
-        self.last_num_running = 0      # running requests after admission, before finishes
         if self.free_blocks < 0:
             raise ValueError(f"running requests hold {held} KV blocks but the instance has "
                              f"only {config.num_gpu_blocks}")
@@ -137,8 +132,6 @@ class ReferenceEngine:
             budget -= n
             i += 1
 
-        self.last_running_budget = budget
-
         # 2. Waiting requests, FCFS, only if nothing was preempted.
         if not rec.preempted:
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
@@ -154,9 +147,6 @@ class ReferenceEngine:
                 scheduled.append((r, n))
                 budget -= n
 
-        self.last_budget = budget
-        self.last_free_after = self.free_blocks
-        self.last_num_running = len(running)
         if not scheduled and not rec.preempted:
             raise EngineStuck(self._stuck_reason())
 

@@ -45,7 +45,7 @@ class ResidentRequest:
 
 
 class RequestTable:
-    """Resident requests column by column (numpy), the form the fast replay starts from."""
+    """Resident requests column by column (numpy), the form the compiled replay starts from."""
 
     __slots__ = ("arrival", "computed", "ids", "output", "predicted", "prompt")
 
