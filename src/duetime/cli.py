@@ -322,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     from duetime.workload.cli import add_commands as add_workload_commands
     add_experiment_commands(sub, command, CliError)
     add_workload_commands(sub, command, CliError)
+    from duetime.emulator.cli import add_commands as add_emulator_commands
+    add_emulator_commands(sub, command, CliError)
+    from duetime.gateway.cli import add_commands as add_gateway_commands
+    add_gateway_commands(sub, command, CliError)
     return parser
 
 

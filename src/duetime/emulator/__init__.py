@@ -1,0 +1,25 @@
+"""An OpenAI-compatible server that behaves like vLLM in time, for demos and tests without a GPU.
+
+The compiled engine (:mod:`duetime.engine`) is the server's clock: one asyncio task steps it in
+real time and releases each step's tokens when the step ends. ``duetime emulate`` runs one;
+``duetime serve`` without a config runs three behind the gateway. See docs/gateway.md.
+"""
+
+from duetime.emulator.app import create_app
+from duetime.emulator.core import Emulator, EmuRequest, Faults, scaled_model
+from duetime.emulator.live import LiveEngine
+from duetime.emulator.serving import AppServer, ServeError
+
+__all__ = ["AppServer", "EmuRequest", "Emulator", "Faults", "LiveEngine", "ServeError",
+           "create_app", "emulator_from_profile", "scaled_model"]
+
+
+def emulator_from_profile(profile: str, *, model_name: str | None = None, speed: float = 1.0,
+                          seed: int = 0, faults: Faults | None = None,
+                          output_median: float = 200.0) -> Emulator:
+    """An emulator running a built-in engine profile (``duetime profiles``)."""
+    from duetime.engine.profiles import load_profile
+
+    p = load_profile(profile)
+    return Emulator(p.model, p.config, model_name=model_name or profile, speed=speed, seed=seed,
+                    faults=faults, output_median=output_median)

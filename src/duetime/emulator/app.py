@@ -1,0 +1,294 @@
+"""The emulator's HTTP face: vLLM's OpenAI-compatible API over an :class:`Emulator`.
+
+| endpoint | what |
+|---|---|
+| ``POST /v1/completions``, ``POST /v1/chat/completions`` | SSE streaming (``data: {...}`` chunks, ``data: [DONE]``) or one JSON body; ``max_tokens`` caps the output |
+| ``GET /v1/models`` | the one served model |
+| ``POST /tokenize`` | ``{"count", "max_model_len", "tokens"}`` from the documented estimate (tokens are placeholders) |
+| ``GET /health`` | 200, or 503 when marked unhealthy |
+| ``GET /metrics`` | Prometheus text with vLLM's metric names |
+| ``GET /snapshot`` | the engine's snapshot JSON (``shared/reference/snapshot-format.md``); header ``x-duetime-clock`` = the emulator's clock when it was taken |
+| ``GET/POST /emulator/faults`` | read / set failure injection ``{"rate", "kinds", "healthy"}`` (tests) |
+
+Request ids: a request's ``x-request-id`` header (if unused) names it in the engine and the
+snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|timeout|disconnect``
+forces that failure for one request (tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from duetime.emulator.core import FAULT_KINDS, Emulator, EmuRequest, Faults
+from duetime.emulator.protocol import (
+    SSE_HEADERS,
+    ApiError,
+    CompletionRequest,
+    Disconnect,
+    Receive,
+    Scope,
+    Send,
+    header,
+    parse_completion,
+    parse_json,
+    parse_tokenize,
+    read_body,
+    send_error,
+    send_json,
+)
+
+TOKEN_TEXT = "tok "
+DONE = b"data: [DONE]\n\n"
+
+
+class InjectedDisconnect(Exception):
+    """Raised after a response started to make the server drop the connection."""
+
+
+class _QuietInjected(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], InjectedDisconnect))
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietInjected())
+
+
+def _usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+            "completion_tokens": completion}
+
+
+class _Chunks:
+    """Pre-encoded SSE chunks of one streamed response (no JSON encoding per token)."""
+
+    def __init__(self, chat: bool, rid: str, model: str, created: int) -> None:
+        self.chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self.head = (f'{{"id":{json.dumps(rid)},"object":"{obj}","created":{created},'
+                     f'"model":{json.dumps(model)},"choices":')
+        if chat:
+            tok = json.dumps({"content": TOKEN_TEXT}, separators=(",", ":"))
+            self.token = (f'data: {self.head}[{{"index":0,"delta":{tok},"logprobs":null,'
+                          f'"finish_reason":null}}]}}\n\n').encode()
+            self.role = (f'data: {self.head}[{{"index":0,"delta":{{"role":"assistant",'
+                         f'"content":""}},"logprobs":null,"finish_reason":null}}]}}\n\n').encode()
+        else:
+            self.token = (f'data: {self.head}[{{"index":0,"text":{json.dumps(TOKEN_TEXT)},'
+                          f'"logprobs":null,"finish_reason":null,"stop_reason":null}}]}}\n\n'
+                          ).encode()
+            self.role = b""
+
+    def last(self, reason: str) -> bytes:
+        return self.token.replace(b'"finish_reason":null', f'"finish_reason":"{reason}"'.encode(),
+                                  1)
+
+    def usage(self, prompt: int, completion: int) -> bytes:
+        u = json.dumps(_usage(prompt, completion), separators=(",", ":"))
+        return f'data: {self.head}[],"usage":{u}}}\n\n'.encode()
+
+
+class Completions:
+    """``/v1/completions`` or ``/v1/chat/completions`` (raw ASGI: the handler is cancelled when
+    the client disconnects, and then the request is aborted in the engine)."""
+
+    def __init__(self, emu: Emulator, *, chat: bool) -> None:
+        self.emu = emu
+        self.chat = chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            raw = await read_body(receive)
+        except ApiError as e:
+            await send_error(send, e)
+            return
+        if raw is None:
+            return
+        guard = Disconnect(send)
+        await guard.run(receive, self._handle(scope, raw, guard.send))
+
+    async def _handle(self, scope: Scope, raw: bytes, send: Send) -> None:
+        emu = self.emu
+        try:
+            req = parse_completion(raw, chat=self.chat)
+            if not emu.faults.healthy:
+                raise ApiError(503, "the engine is unhealthy (emulated)")
+            if req.model is not None and req.model != emu.model_name:
+                raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
+                               code="model_not_found")
+            why = emu.check(req.prompt_tokens, req.max_tokens)
+            if why is not None:
+                raise ApiError(400, why, param="messages" if self.chat else "prompt",
+                               code="context_length_exceeded")
+            forced = header(scope, b"x-emulator-fault")
+            if forced is not None and forced not in FAULT_KINDS:
+                raise ApiError(400, f"x-emulator-fault must be one of {', '.join(FAULT_KINDS)}")
+        except ApiError as e:
+            await send_error(send, e)
+            return
+        fault = forced or emu.draw_fault()
+        if fault == "5xx":
+            await send_error(send, ApiError(500, "injected failure (emulator)"))
+            return
+        if fault == "timeout":
+            await asyncio.sleep(3600.0)  # until the client gives up (cancelled on disconnect)
+            return
+        if fault == "disconnect":
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            raise InjectedDisconnect("injected disconnect (emulator)")
+        r = emu.submit(req.prompt_tokens, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos,
+                       request_id=header(scope, b"x-request-id"))
+        try:
+            if req.stream:
+                await self._stream(r, req, send)
+            else:
+                await self._whole(r, req, send)
+        finally:
+            if not r.done:
+                emu.cancel(r)
+
+    def _ids(self, r: EmuRequest) -> tuple[str, int]:
+        return (f"chatcmpl-{r.id}" if self.chat else f"cmpl-{r.id}"), int(time.time())
+
+    async def _stream(self, r: EmuRequest, req: CompletionRequest, send: Send) -> None:
+        cid, created = self._ids(r)
+        chunks = _Chunks(self.chat, cid, self.emu.model_name, created)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*SSE_HEADERS, (b"x-request-id", r.id.encode())]})
+        sent = 0
+        while True:
+            await r.event.wait()
+            r.event.clear()
+            if r.aborted:  # the server is shutting down
+                await send({"type": "http.response.body", "body": b""})
+                return
+            n = r.produced
+            if n > sent:
+                parts = []
+                if sent == 0 and chunks.role:
+                    parts.append(chunks.role)
+                if r.done:
+                    parts.extend([chunks.token] * (n - sent - 1))
+                    parts.append(chunks.last(r.finish_reason))
+                else:
+                    parts.extend([chunks.token] * (n - sent))
+                sent = n
+                if r.done:
+                    if req.include_usage:
+                        parts.append(chunks.usage(r.prompt_tokens, n))
+                    parts.append(DONE)
+                    await send({"type": "http.response.body", "body": b"".join(parts)})
+                    return
+                await send({"type": "http.response.body", "body": b"".join(parts),
+                            "more_body": True})
+
+    async def _whole(self, r: EmuRequest, req: CompletionRequest, send: Send) -> None:
+        while not r.done:
+            await r.event.wait()
+            r.event.clear()
+        if r.aborted:
+            await send_error(send, ApiError(503, "the server is shutting down"))
+            return
+        cid, created = self._ids(r)
+        text = TOKEN_TEXT * r.produced
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": text},
+                                      "logprobs": None, "finish_reason": r.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None,
+                      "finish_reason": r.finish_reason, "stop_reason": None}
+            obj = "text_completion"
+        body = {"id": cid, "object": obj, "created": created, "model": self.emu.model_name,
+                "choices": [choice], "usage": _usage(r.prompt_tokens, r.produced)}
+        await send_json(send, 200, json.dumps(body, separators=(",", ":")).encode(),
+                        [(b"x-request-id", r.id.encode())])
+
+
+def _error(e: ApiError) -> Response:
+    return Response(e.encode(), status_code=e.status, media_type="application/json")
+
+
+def create_app(emu: Emulator) -> Starlette:
+    """The emulator's ASGI app (the engine's driver starts with the first request)."""
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": emu.model_name, "object": "model", "created": int(time.time()),
+             "owned_by": "duetime-emulator", "root": emu.model_name,
+             "max_model_len": emu.config.max_model_len}]})
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            count = parse_tokenize(await request.body())
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"count": count, "max_model_len": emu.config.max_model_len,
+                             "tokens": [0] * count, "token_strs": None})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if emu.faults.healthy else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(emu.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def snapshot(request: Request) -> Response:
+        clock = time.monotonic()
+        body = json.dumps(emu.snapshot().to_dict(), separators=(",", ":"))
+        return Response(body, media_type="application/json",
+                        headers={"x-duetime-clock": repr(clock)})
+
+    async def faults(request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                d = parse_json(await request.body())
+                if not isinstance(d, dict):
+                    raise ApiError(400, "body must be a JSON object")
+                f = emu.faults
+                kinds = d.get("kinds", list(f.kinds))
+                if isinstance(kinds, str):
+                    kinds = kinds.split(",")
+                emu.faults = Faults(float(d.get("rate", f.rate)), tuple(kinds),
+                                    bool(d.get("healthy", f.healthy)))
+            except (TypeError, ValueError) as e:
+                return _error(ApiError(400, str(e)))
+            except ApiError as e:
+                return _error(e)
+        f = emu.faults
+        return JSONResponse({"rate": f.rate, "kinds": list(f.kinds), "healthy": f.healthy})
+
+    async def version(request: Request) -> Response:
+        import duetime
+        return JSONResponse({"version": f"duetime-emulator {duetime.__version__}"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await emu.close()
+
+    routes = [
+        Route("/v1/chat/completions", Completions(emu, chat=True), methods=["POST"]),
+        Route("/v1/completions", Completions(emu, chat=False), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/snapshot", snapshot, methods=["GET"]),
+        Route("/emulator/faults", faults, methods=["GET", "POST"]),
+        Route("/version", version, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.emulator = emu
+    return app

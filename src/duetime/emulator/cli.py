@@ -1,0 +1,114 @@
+"""``duetime emulate``: one emulated vLLM instance on a port."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from duetime.engine.profiles import profile_names
+
+log = logging.getLogger("duetime.emulator")
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _rate(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
+def port_type(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
+    return v
+
+
+async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
+    from duetime.emulator import AppServer, Faults, ServeError, create_app, emulator_from_profile
+    from duetime.emulator.serving import shutdown_signals
+
+    try:
+        faults = Faults(args.fail_rate, tuple(k.strip() for k in args.fail_kinds.split(",")
+                                              if k.strip()))
+    except ValueError as e:
+        raise error(f"--fail-kinds: {e}") from None
+    emu = emulator_from_profile(args.profile, model_name=args.model_name, speed=args.speed,
+                                seed=args.seed, faults=faults, output_median=args.output_median)
+    try:
+        server = AppServer(create_app(emu), host=args.host, port=args.port,
+                           graceful_timeout_s=args.drain_timeout)
+    except ServeError as e:
+        raise error(str(e)) from None
+    stop = asyncio.Event()
+    with shutdown_signals(stop.set, server.force):
+        await server.start()
+        print(f"duetime emulate: {emu.model_name} (profile {args.profile}, speed "
+              f"{args.speed:g}) listening on {server.url}", flush=True)
+        print(f"  try: curl -s {server.url}/v1/completions -H 'content-type: application/json' "
+              f"-d '{{\"prompt\": \"hello\", \"max_tokens\": 8}}'", flush=True)
+        await stop.wait()
+        log.info("shutting down", extra={"fields": {"event": "shutdown"}})
+        await server.stop()
+    return 0
+
+
+def _cmd_emulate(args: argparse.Namespace, error: type[Exception]) -> int:
+    from duetime.emulator.serving import setup_logging
+
+    setup_logging(args.log_level)
+    return asyncio.run(_serve(args, error))
+
+
+def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
+    """Register ``emulate`` on the ``duetime`` parser tree."""
+    names = profile_names()
+    p = command("emulate", lambda a: _cmd_emulate(a, error),
+                "run an emulated vLLM instance (OpenAI API, vLLM timing, no GPU)",
+                "Serve vLLM's OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
+                "/v1/models, /tokenize, /health, /metrics with vLLM's metric names, /snapshot) "
+                "from the engine model of a built-in profile, stepped in real time: first "
+                "tokens come when the engine's step ends, then one token per step. Outputs "
+                "are filler tokens; their length is a seeded log-normal draw, capped by "
+                "max_tokens. See docs/gateway.md.")
+    p.add_argument("--profile", required=True, choices=names, metavar="NAME",
+                   help=f"engine profile: {', '.join(names)}")
+    p.add_argument("--port", type=port_type, default=8100, metavar="P",
+                   help="port (default 8100; 0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--speed", type=_positive, default=1.0, metavar="X",
+                   help="run X times faster than the profile's batch-time model (default 1)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="served model name (default: the profile's name)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seed of output lengths and failures (default 0)")
+    p.add_argument("--output-median", type=_positive, default=200.0, metavar="N",
+                   help="median output length in tokens when max_tokens does not cut it "
+                   "(log-normal, sigma 0.6; default 200)")
+    p.add_argument("--fail-rate", type=_rate, default=0.0, metavar="F",
+                   help="fraction of requests that fail (default 0)")
+    p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",
+                   help="failure kinds drawn uniformly: 5xx, timeout, disconnect (default 5xx)")
+    p.add_argument("--drain-timeout", type=_positive, default=None, metavar="S",
+                   help="on Ctrl-C wait at most S seconds for in-flight requests (default: "
+                   "until they finish; a second Ctrl-C forces)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log level (default info)")

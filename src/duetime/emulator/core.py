@@ -1,0 +1,338 @@
+"""The emulated instance: a live engine stepped in real time by one asyncio task.
+
+The clock is ``time.monotonic()`` (seconds). ``speed`` X divides every
+step's duration by X: an emulator at speed X is exactly an instance whose batch-time model's
+coefficients are divided by X, so that is what it runs and what its ``/snapshot`` publishes.
+
+The driver task sleeps while the engine is idle. A submitted request joins the engine's waiting
+queue at once — the engine reads the queue only when a step starts, so it is admitted at the
+next step boundary, as in vLLM. Each step is computed when it starts (``Engine.step``); the
+driver then sleeps until the step's end and only then releases what it produced: first tokens,
+one more token for every decoding request, finishes. If the loop wakes more than
+``MAX_LAG_S`` late (a stalled process) the engine's clock jumps to the present, so the lag
+shows as latency, as a late CPU would on a real server; smaller jitter is absorbed (the next
+sleep is shorter), so the emulator keeps the model's pace on average.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from duetime.emulator.live import LiveEngine, warm_up
+from duetime.engine.batch_time import BatchTimeModel, model_from_dict
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.scheduler import EngineStuck
+from duetime.engine.snapshot import RequestTable, Snapshot
+
+log = logging.getLogger("duetime.emulator")
+
+MAX_LAG_S = 0.05
+FAULT_KINDS = ("5xx", "timeout", "disconnect")
+
+# vLLM's buckets for vllm:time_to_first_token_seconds and the latency histograms
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+def scaled_model(model: BatchTimeModel, speed: float) -> BatchTimeModel:
+    """The batch-time model of an instance ``speed`` times faster."""
+    if speed == 1.0:
+        return model
+    d = model.to_dict()
+    d["coefficients"] = {k: v / speed for k, v in d["coefficients"].items()}
+    return model_from_dict(d)
+
+
+@dataclass(slots=True)
+class Faults:
+    """Failure injection: each request fails with probability ``rate``, its kind drawn
+    uniformly from ``kinds`` (``5xx``: an immediate 500; ``timeout``: no answer until the client
+    gives up; ``disconnect``: the response starts, then the connection drops before any
+    token). ``healthy`` False: /health answers 503 and every request 503 (a dead engine)."""
+
+    rate: float = 0.0
+    kinds: tuple[str, ...] = ("5xx",)
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"fail rate must be in [0, 1], got {self.rate}")
+        bad = [k for k in self.kinds if k not in FAULT_KINDS]
+        if bad or not self.kinds:
+            raise ValueError(f"fail kinds must be among {', '.join(FAULT_KINDS)}, got "
+                             f"{', '.join(self.kinds) or 'none'}")
+
+
+class EmuRequest:
+    """One request in the emulator: how far it got, and an event set when that changes."""
+
+    __slots__ = ("aborted", "arrival", "done", "event", "finish_reason", "finish_time",
+                 "first_token_time", "id", "produced", "prompt_tokens", "row", "stop")
+
+    def __init__(self, rid: str, prompt_tokens: int, stop: int, finish_reason: str,
+                 arrival: float) -> None:
+        self.id = rid
+        self.prompt_tokens = prompt_tokens
+        self.stop = stop
+        self.finish_reason = finish_reason
+        self.arrival = arrival
+        self.row = -1
+        self.produced = 0
+        self.done = False
+        self.aborted = False
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.event = asyncio.Event()
+
+
+class Emulator:
+    """An emulated vLLM instance: ``submit`` requests, await their tokens, ``cancel`` them."""
+
+    def __init__(self, model: BatchTimeModel, config: SchedulerConfig, *, model_name: str,
+                 speed: float = 1.0, seed: int = 0, output_median: float = 200.0,
+                 output_sigma: float = 0.6, faults: Faults | None = None) -> None:
+        if not speed > 0 or not math.isfinite(speed):
+            raise ValueError(f"speed must be a positive number, got {speed}")
+        self.model_name = model_name
+        self.speed = speed
+        self.config = config
+        self.model = scaled_model(model, speed)
+        self.output_median = output_median
+        self.output_sigma = output_sigma
+        self.faults = faults or Faults()
+        self._rng = random.Random(seed)
+        self._fault_rng = random.Random(seed + 1)
+        self._ids = itertools.count()
+        warm_up()
+        self.engine = LiveEngine(config, self.model)
+        self._active: dict[str, EmuRequest] = {}
+        self._dirty = True
+        self._rows = np.zeros(0, dtype=np.int64)
+        self._seen = np.zeros(0, dtype=np.int64)
+        self._list: list[EmuRequest] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.aborted = 0
+        self.finished = 0
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        self._metrics()
+
+    # -- metrics (vLLM's names) -------------------------------------------------------------------
+
+    def _metrics(self) -> None:
+        r, label = self.registry, ["model_name"]
+        g = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                  label, registry=r)
+        g.labels(self.model_name).set_function(lambda: self.engine.num_running)
+        g = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                  label, registry=r)
+        g.labels(self.model_name).set_function(lambda: self.engine.num_waiting)
+        g = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                  label, registry=r)
+        g.labels(self.model_name).set_function(self.kv_usage)
+        self.m_ttft = Histogram("vllm:time_to_first_token_seconds",
+                                "Histogram of time to first token in seconds.", label,
+                                buckets=TTFT_BUCKETS, registry=r).labels(self.model_name)
+        self.m_e2e = Histogram("vllm:e2e_request_latency_seconds",
+                               "Histogram of e2e request latency in seconds.", label,
+                               buckets=LATENCY_BUCKETS, registry=r).labels(self.model_name)
+        self.m_tpot = Histogram("vllm:time_per_output_token_seconds",
+                                "Histogram of time per output token in seconds.", label,
+                                buckets=TPOT_BUCKETS, registry=r).labels(self.model_name)
+        self.m_success = Counter("vllm:request_success", "Count of finished requests.",
+                                 [*label, "finished_reason"], registry=r)
+        self.m_prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                label, registry=r).labels(self.model_name)
+        self.m_gen = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                             label, registry=r).labels(self.model_name)
+        self.m_preempt = Counter("vllm:num_preemptions", "Cumulative number of preemptions.",
+                                 label, registry=r).labels(self.model_name)
+
+    def kv_usage(self) -> float:
+        return 1.0 - self.engine.free_blocks / self.config.num_gpu_blocks
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def draw_output(self, max_tokens: int | None, ignore_eos: bool,
+                    prompt_tokens: int) -> tuple[int, str]:
+        """(stop length, finish reason): a seeded log-normal natural length around
+        ``output_median``, cut at ``max_tokens`` (reason ``length``); ``ignore_eos`` with
+        ``max_tokens``: exactly ``max_tokens``. Never past ``max_model_len``."""
+        room = self.config.max_model_len - prompt_tokens
+        natural = max(1, round(self._rng.lognormvariate(math.log(self.output_median),
+                                                         self.output_sigma)))
+        if max_tokens is not None and (ignore_eos or natural >= max_tokens):
+            stop, reason = max_tokens, "length"
+        else:
+            stop, reason = natural, "stop"
+        if stop >= room:
+            stop, reason = max(1, room - 1), "length"
+        return stop, reason
+
+    def check(self, prompt_tokens: int, max_tokens: int | None) -> str | None:
+        """Why a request cannot be served (vLLM's 400), or None."""
+        limit = self.config.max_model_len
+        need = prompt_tokens + (max_tokens or 1)
+        if need > limit:
+            return (f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {need} tokens ({prompt_tokens} in the messages, "
+                    f"{max_tokens or 1} in the completion). Please reduce the length of the "
+                    "messages or completion.")
+        if -(-need // self.config.block_size) > self.config.num_gpu_blocks:
+            return (f"the request needs {need} tokens of KV cache; the instance holds "
+                    f"{self.config.kv_capacity_tokens}")
+        return None
+
+    def draw_fault(self) -> str | None:
+        f = self.faults
+        if f.rate > 0 and self._fault_rng.random() < f.rate:
+            return self._fault_rng.choice(f.kinds)
+        return None
+
+    def submit(self, prompt_tokens: int, *, max_tokens: int | None = None,
+               ignore_eos: bool = False, request_id: str | None = None) -> EmuRequest:
+        """Queue a request (joins at the next step boundary); its id is ``request_id`` when
+        given and not in use, else a fresh one."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._drive(), name=f"emulator:{self.model_name}")
+        rid = request_id or f"emu-{next(self._ids)}"
+        while self.engine.known(rid):
+            rid = f"emu-{next(self._ids)}"
+        stop, reason = self.draw_output(max_tokens, ignore_eos, prompt_tokens)
+        now = time.monotonic()
+        req = EmuRequest(rid, prompt_tokens, stop, reason, now)
+        if self.engine.idle:
+            self.engine.set_clock(now)
+        req.row = self.engine.add(rid, prompt_tokens, stop, arrival=now)
+        self._active[rid] = req
+        self._dirty = True
+        self.m_prompt.inc(prompt_tokens)
+        self._wake.set()
+        return req
+
+    def cancel(self, req: EmuRequest) -> None:
+        """The client went away: abort the request (frees its KV at once)."""
+        if req.done:
+            return
+        self.engine.abort(req.id)
+        self._active.pop(req.id, None)
+        self._dirty = True
+        req.done = req.aborted = True
+        req.finish_reason = "abort"
+        self.aborted += 1
+        self.m_success.labels(self.model_name, "abort").inc()
+        req.event.set()
+
+    def snapshot(self) -> Snapshot:
+        """The engine's state: at the end of the step in flight, or now when idle."""
+        if self.engine.idle:
+            self.engine.set_clock(time.monotonic())
+        return self.engine.snapshot()
+
+    async def close(self) -> None:
+        """Stop the driver; requests still in flight end as aborted."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for req in list(self._active.values()):
+            self.cancel(req)
+
+    # -- the driver -------------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        clock = time.monotonic
+        eng = self.engine
+        while True:
+            if eng.idle:
+                self._wake.clear()
+                await self._wake.wait()
+                eng.set_clock(clock())
+            elif clock() - eng.time > MAX_LAG_S:
+                eng.set_clock(clock())
+            try:
+                ev = eng.step()
+            except EngineStuck as e:  # cannot happen for requests that passed check()
+                log.error("emulator %s: %s; aborting the waiting queue", self.model_name, e)
+                for rid in eng.waiting_ids():
+                    req = self._active.get(rid)
+                    if req is not None:
+                        self.cancel(req)
+                await asyncio.sleep(0)
+                continue
+            if ev is None:
+                continue
+            # always yield (sleep(0) when late): the step loop must never starve the server
+            await asyncio.sleep(max(0.0, ev.end - clock()))
+            if ev.preempted:
+                self.m_preempt.inc(ev.preempted)
+            self._release(ev.end, ev.first_token, ev.finished)
+            if eng.rows_used > 4096 and eng.rows_used > 4 * len(self._active):
+                rows = eng.compact()
+                for rid, req in self._active.items():
+                    req.row = rows[rid]
+                self._dirty = True
+
+    def _release(self, t: float, first: list[str], finished: list[str]) -> None:
+        active = self._active
+        if self._dirty:
+            self._list = list(active.values())
+            self._rows = np.array([r.row for r in self._list], dtype=np.int64)
+            self._seen = np.array([r.produced for r in self._list], dtype=np.int64)
+            self._dirty = False
+        if not self._list:
+            return
+        out = self.engine.output_tokens(self._rows)
+        changed = np.flatnonzero(out != self._seen)
+        if changed.size:
+            self.m_gen.inc(int((out[changed] - self._seen[changed]).sum()))
+            self._seen[changed] = out[changed]
+            lst = self._list
+            for i in changed.tolist():
+                req = lst[i]
+                req.produced = int(out[i])
+                req.event.set()
+        for rid in first:
+            req = active.get(rid)
+            if req is not None:
+                req.first_token_time = t
+                self.m_ttft.observe(t - req.arrival)
+        for rid in finished:
+            req = active.pop(rid, None)
+            if req is None:
+                continue
+            self._dirty = True
+            req.done = True
+            req.finish_time = t
+            self.finished += 1
+            self.m_success.labels(self.model_name, req.finish_reason).inc()
+            self.m_e2e.observe(t - req.arrival)
+            if req.produced > 1 and req.first_token_time is not None:
+                self.m_tpot.observe((t - req.first_token_time) / (req.produced - 1))
+            req.event.set()
+
+
+def snapshot_with_offset(snap: Snapshot, offset: float) -> Snapshot:
+    """The same snapshot with every time moved by ``offset`` seconds (another clock)."""
+    def shift(t: RequestTable) -> RequestTable:
+        return RequestTable(t.ids, t.prompt, t.computed, t.output, t.predicted,
+                            t.arrival + offset)
+    return Snapshot(snap.config, snap.model, time=snap.time + offset,
+                    running=shift(snap.running_table), waiting=shift(snap.waiting_table))

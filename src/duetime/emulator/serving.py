@@ -1,0 +1,165 @@
+"""Running ASGI apps in-process with uvicorn: several servers on one event loop, ephemeral
+ports, clean shutdown on Ctrl-C (used by ``duetime emulate``, ``duetime serve``, the tests
+and the benchmark).
+
+uvicorn's own signal handling is for one server per process; here the caller owns the signals
+(:func:`shutdown_signals`) and stops servers in order (the gateway drains its streams before the
+instances it streams from go away). Sockets are bound here, so a port in use is a clear error
+rather than uvicorn's ``sys.exit``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import uvicorn
+
+
+class ServeError(RuntimeError):
+    """A server could not start (e.g. its port is in use)."""
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the caller handles signals
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (port 0: an ephemeral one)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ServeError(f"cannot resolve host {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class AppServer:
+    """One ASGI app served by uvicorn on the running loop."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
+                 graceful_timeout_s: float | None = None, sock: socket.socket | None = None,
+                 **uvicorn_kw: Any) -> None:
+        """``sock``: an already bound socket (see :func:`bind`) instead of host and port."""
+        self.host = host
+        self.sock = sock if sock is not None else bind(host, port)
+        self.port = int(self.sock.getsockname()[1])
+        self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
+                                     timeout_graceful_shutdown=graceful_timeout_s,
+                                     **uvicorn_kw)
+        self.server = _Server(self.config)
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        if host in ("0.0.0.0", "[::]"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    async def start(self) -> AppServer:
+        self._task = asyncio.get_running_loop().create_task(
+            self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self._task.done():
+                exc = self._task.exception()
+                raise ServeError(f"server on {self.host}:{self.port} did not start: {exc}")
+            await asyncio.sleep(0.002)
+        return self
+
+    async def stop(self, *, force: bool = False) -> None:
+        """Stop accepting, let in-flight responses finish (unless ``force``), shut down."""
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        if force:
+            self.server.force_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        await self._finish_lifespan()
+
+    async def _finish_lifespan(self) -> None:
+        """A forced exit skips the app's shutdown; run it (the app's resources close, and
+        no lifespan task is left to die noisily when the loop ends)."""
+        lifespan = getattr(self.server, "lifespan", None)
+        if self.server.force_exit and lifespan is not None and self.server.started \
+                and not lifespan.shutdown_event.is_set():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(lifespan.shutdown(), 5.0)
+
+    def force(self) -> None:
+        self.server.force_exit = True
+
+
+@contextlib.contextmanager
+def shutdown_signals(on_first: Callable[[], None],
+                     on_second: Callable[[], None]) -> Iterator[None]:
+    """SIGINT / SIGTERM call ``on_first`` (graceful), a second one ``on_second`` (force)."""
+    loop = asyncio.get_running_loop()
+    count = 0
+
+    def handler() -> None:
+        nonlocal count
+        count += 1
+        (on_first if count == 1 else on_second)()
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    installed = []
+    for sig in sigs:
+        try:
+            loop.add_signal_handler(sig, handler)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError):  # not the main thread / platform
+            pass
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+# -- structured logs ----------------------------------------------------------------------------
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg`` and the record's
+    ``fields`` (pass ``extra={"fields": {...}}``)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        d: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname.lower(),
+                             "logger": record.name, "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if fields:
+            d.update(fields)
+        if record.exc_info and record.exc_info[1] is not None:
+            d["error"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
+        return json.dumps(d, default=str)
+
+
+def setup_logging(level: str = "info") -> None:
+    """JSON-lines logs on stderr for duetime's and uvicorn's loggers."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    numeric = logging.getLevelNamesMapping()[level.upper()]
+    for name in ("duetime", "uvicorn", "uvicorn.error"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler] if name != "uvicorn.error" else []
+        # uvicorn's info lines (per server: started, startup complete...) are noise here
+        lg.setLevel(numeric if name == "duetime" else max(numeric, logging.WARNING))
+        lg.propagate = name == "uvicorn.error"

@@ -1,0 +1,93 @@
+"""``duetime serve``: the gateway (with an embedded demo pool when no config is given)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from duetime.emulator.cli import _positive, port_type
+from duetime.policy import POLICY_NAMES
+
+log = logging.getLogger("duetime.gateway")
+
+
+def _banner(service: Any, started: float) -> None:
+    url = service.url
+    pool = service.pool
+    print(f"duetime serve: gateway listening on {url} (policy {pool.policy}; ready in "
+          f"{time.perf_counter() - started:.1f} s)", flush=True)
+    for inst in pool.instances:
+        kind = "emulated" if inst.emulate is not None else "upstream"
+        print(f"  {inst.name:<12} model {inst.model:<12} {kind} {inst.url}", flush=True)
+    body = ('{"model": "auto", "messages": [{"role": "user", "content": "Hello!"}], '
+            '"max_tokens": 16}')
+    print(f"try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' "
+          f"-d '{body}'", flush=True)
+    print(f"  curl -s {url}/metrics | grep ^duetime_    (Ctrl-C to stop)", flush=True)
+
+
+async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
+    from duetime.emulator.serving import ServeError, shutdown_signals
+    from duetime.gateway import ConfigError, Service, demo_pool, load_pool
+
+    started = time.perf_counter()
+    try:
+        pool = load_pool(args.config) if args.config else demo_pool(speed=args.speed)
+    except ConfigError as e:
+        raise error(str(e)) from None
+    if args.policy:
+        pool = dataclasses.replace(pool, policy=args.policy)
+    service = Service(pool, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
+    stop = asyncio.Event()
+    with shutdown_signals(stop.set, service.force):
+        try:
+            await service.start()
+        except ServeError as e:
+            raise error(str(e)) from None
+        _banner(service, started)
+        await stop.wait()
+        log.info("shutting down: draining in-flight requests (Ctrl-C again to force)",
+                 extra={"fields": {"event": "shutdown"}})
+        await service.stop()
+    print("duetime serve: stopped", flush=True)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
+    from duetime.emulator.serving import setup_logging
+
+    if args.config is not None and args.speed != 1.0:
+        raise error("--speed applies to the demo pool only; set emulate.speed per instance in "
+                    "the config")
+    setup_logging(args.log_level)
+    return asyncio.run(_serve(args, error))
+
+
+def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
+    """Register ``serve`` on the ``duetime`` parser tree."""
+    p = command("serve", lambda a: _cmd_serve(a, error),
+                "run the OpenAI-compatible gateway (a demo pool when no config is given)",
+                "Serve one OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, "
+                "/v1/models, /health, /metrics) in front of a pool of model instances. "
+                "model \"auto\" lets the policy choose; a model name restricts the choice to "
+                "its instances. Without --config it starts a demo pool of three emulated "
+                "instances (Qwen3 0.6B / 8B / 32B with H100 timing) in-process on loopback. "
+                "See docs/gateway.md for the config and the headers.")
+    p.add_argument("--config", default=None, metavar="POOL.yaml",
+                   help="pool config (default: the embedded demo pool)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=port_type, default=8000, metavar="P",
+                   help="port (default 8000; 0 = any free port)")
+    p.add_argument("--policy", choices=POLICY_NAMES, default=None, metavar="NAME",
+                   help=f"override the config's policy: {', '.join(POLICY_NAMES)}")
+    p.add_argument("--speed", type=_positive, default=1.0, metavar="X",
+                   help="demo pool only: emulated instances run X times faster (default 1)")
+    p.add_argument("--drain-timeout", type=_positive, default=30.0, metavar="S",
+                   help="on Ctrl-C wait at most S seconds for in-flight streams (default 30; a "
+                   "second Ctrl-C forces)")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"], help="log level (default info)")

@@ -1,0 +1,346 @@
+"""The gateway's pool config: one YAML file (see docs/gateway.md), validated with errors that
+name the file, the field and the reason (``pool.yaml: instances[1].url: must be an http(s)
+URL``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from duetime.emulator.core import FAULT_KINDS, scaled_model
+from duetime.engine.batch_time import BatchTimeModel, model_from_dict
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.profiles import load_profile, profile_names
+from duetime.policy import POLICY_NAMES
+
+ALIAS_DEFAULT = "auto"
+
+
+class ConfigError(ValueError):
+    """A pool config that cannot be used; the message names the source, field and reason."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Prices(_Strict):
+    prompt: float = Field(ge=0)
+    output: float = Field(ge=0)
+
+
+class EmulateSpec(_Strict):
+    """Start an in-process emulator for this instance (instead of ``url``)."""
+
+    speed: float = Field(1.0, gt=0)
+    seed: int = 0
+    output_median: float = Field(200.0, gt=0)
+    fail_rate: float = Field(0.0, ge=0, le=1)
+    fail_kinds: list[str] = ["5xx"]
+
+    @field_validator("fail_kinds")
+    @classmethod
+    def _kinds(cls, v: list[str]) -> list[str]:
+        bad = [k for k in v if k not in FAULT_KINDS]
+        if bad or not v:
+            raise ValueError(f"must be among {', '.join(FAULT_KINDS)}, got {v}")
+        return v
+
+
+class InstanceSpec(_Strict):
+    name: str = Field(min_length=1)
+    model: str = Field(min_length=1)
+    url: str | None = None
+    emulate: EmulateSpec | None = None
+    served_model: str | None = None
+    profile: str | None = None
+    batch_time: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    speed: float = Field(1.0, gt=0)
+    price_usd_per_mtok: Prices | None = None
+    snapshot: Literal["auto", "off"] = "auto"
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.startswith(("http://", "https://")) or len(v.split("://", 1)[1]) == 0:
+            raise ValueError(f"must be an http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("profile")
+    @classmethod
+    def _profile(cls, v: str | None) -> str | None:
+        if v is not None and v not in profile_names():
+            raise ValueError(f"unknown engine profile {v!r}; built-in: {', '.join(profile_names())}")
+        return v
+
+
+class QualitySpec(_Strict):
+    workload: str | None = "paper"
+    tasks: dict[str, dict[str, float]] = {}
+    default_task: str | None = None
+
+    @field_validator("tasks")
+    @classmethod
+    def _acc(cls, v: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for task, row in v.items():
+            for model, acc in row.items():
+                if not 0.0 <= acc <= 1.0:
+                    raise ValueError(f"{task}.{model}: accuracy must be in [0, 1], got {acc}")
+        return v
+
+
+class TargetSpec(_Strict):
+    base_ms: float = Field(155.0, ge=0)
+    per_prompt_token_ms: float = Field(0.035, ge=0)
+    min_ms: float = Field(150.0, ge=0)
+    max_ms: float = Field(1120.0, gt=0)
+
+
+class StateSpec(_Strict):
+    source: Literal["auto", "shadow", "published", "metrics"] = "auto"
+    scrape_interval_s: float = Field(0.05, ge=0.005, le=60)
+    idle_scrape_interval_s: float = Field(1.0, ge=0.005, le=600)
+    max_age_s: float = Field(0.25, gt=0)
+    sync_interval_s: float = Field(0.02, ge=0)
+
+
+class TimeoutSpec(_Strict):
+    connect_s: float = Field(2.0, gt=0)
+    first_token_s: float = Field(60.0, gt=0)
+    read_s: float = Field(60.0, gt=0)
+
+
+class HealthSpec(_Strict):
+    interval_s: float = Field(1.0, gt=0)
+    eject_after: int = Field(3, ge=1)
+    timeout_s: float = Field(1.0, gt=0)
+
+
+class PoolSpec(_Strict):
+    instances: list[InstanceSpec] = Field(min_length=1)
+    policy: str = "sfs"
+    lambda_: float = Field(5.0e-4, alias="lambda", ge=0)
+    delta: float = Field(1.0e-6, ge=0)
+    alpha: float = Field(0.7, ge=0)
+    seed: int = 0
+    retries: int = Field(2, ge=0, le=10)
+    default_output_tokens: int = Field(256, ge=1)
+    aliases: list[str] = [ALIAS_DEFAULT]
+    quality: QualitySpec = QualitySpec()
+    ttft_target: TargetSpec = TargetSpec()
+    state: StateSpec = StateSpec()
+    timeouts: TimeoutSpec = TimeoutSpec()
+    health: HealthSpec = HealthSpec()
+
+    @field_validator("policy")
+    @classmethod
+    def _policy(cls, v: str) -> str:
+        if v not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {v!r}; one of {', '.join(POLICY_NAMES)}")
+        return v
+
+
+# -- resolved -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    name: str
+    model: str
+    served_model: str
+    url: str | None           # None until an embedded emulator is started
+    emulate: EmulateSpec | None
+    profile: str | None
+    batch_time: BatchTimeModel  # in wall seconds (speed applied)
+    config: SchedulerConfig
+    price_prompt: float
+    price_output: float
+    snapshot: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """A validated, resolved pool config."""
+
+    source: str
+    instances: tuple[Instance, ...]
+    policy: str
+    lam: float
+    delta: float
+    alpha: float
+    seed: int
+    retries: int
+    default_output_tokens: int
+    aliases: tuple[str, ...]
+    quality: dict[str, dict[str, float]]   # task -> model -> accuracy
+    default_task: str | None
+    target: TargetSpec
+    state: StateSpec
+    timeouts: TimeoutSpec
+    health: HealthSpec
+
+    @property
+    def models(self) -> list[str]:
+        return list(dict.fromkeys(i.model for i in self.instances))
+
+    def with_urls(self, urls: dict[str, str]) -> Pool:
+        """The same pool with these instances' URLs set (embedded emulators once started)."""
+        return replace(self, instances=tuple(replace(i, url=urls.get(i.name, i.url))
+                                             for i in self.instances))
+
+    def target_ms(self, prompt_tokens: int) -> float:
+        t = self.target
+        return min(max(t.base_ms + t.per_prompt_token_ms * prompt_tokens, t.min_ms), t.max_ms)
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _format(err: ValidationError, source: str) -> str:
+    msgs = []
+    for e in err.errors():
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        msgs.append(f"{source}: {_loc(e['loc'])}: {msg}")
+    return "; ".join(msgs)
+
+
+def pool_from_dict(data: Any, source: str = "pool") -> Pool:
+    """Validate and resolve a pool config (the YAML's content)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: must be a mapping (instances, policy, ...)")
+    try:
+        spec = PoolSpec.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e, source)) from None
+    return _resolve(spec, source)
+
+
+def _resolve(spec: PoolSpec, source: str) -> Pool:
+    def fail(where: str, why: str) -> ConfigError:
+        return ConfigError(f"{source}: {where}: {why}")
+
+    workload = None
+    q = spec.quality
+    if q.workload is not None:
+        from duetime.workload import ProfileError, load_workload
+        try:
+            workload = load_workload(q.workload)
+        except ProfileError as e:
+            raise fail("quality.workload", str(e)) from None
+
+    names: set[str] = set()
+    insts = []
+    for i, s in enumerate(spec.instances):
+        w = f"instances[{i}]"
+        if s.name in names:
+            raise fail(f"{w}.name", f"duplicate instance name {s.name!r}")
+        names.add(s.name)
+        if (s.url is None) == (s.emulate is None):
+            raise fail(w, "needs exactly one of url (a running server) or emulate (start an "
+                       "in-process emulator)")
+        profile = s.profile
+        if profile is None and s.batch_time is None and s.emulate is not None \
+                and s.model in profile_names():
+            profile = s.model
+        try:
+            model = config = None
+            if profile is not None:
+                p = load_profile(profile)
+                model, config = p.model, p.config
+            if s.batch_time is not None:
+                model = model_from_dict(s.batch_time, f"{w}.batch_time")
+            if s.config is not None:
+                config = SchedulerConfig(**{**(config.to_dict() if config else {}), **s.config})
+        except (TypeError, ValueError) as e:
+            raise fail(w, str(e)) from None
+        if model is None or config is None:
+            raise fail(w, "needs profile (a built-in engine profile: "
+                       f"{', '.join(profile_names())}) or both batch_time and config "
+                       "(the instance's batch-time model and scheduler config)")
+        if s.emulate is not None and profile is None:
+            raise fail(f"{w}.emulate", "an emulated instance needs a profile")
+        speed = s.emulate.speed if s.emulate is not None else s.speed
+        if s.price_usd_per_mtok is not None:
+            pp, po = s.price_usd_per_mtok.prompt, s.price_usd_per_mtok.output
+        elif workload is not None and s.model in workload.models:
+            m = workload.models[s.model]
+            pp, po = m.price_prompt, m.price_output
+        else:
+            raise fail(f"{w}.price_usd_per_mtok", f"missing (and model {s.model!r} is not in "
+                       "the quality workload); give {prompt: USD/Mtok, output: USD/Mtok}")
+        insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url, s.emulate,
+                              profile, scaled_model(model, speed), config, pp, po, s.snapshot))
+
+    models = list(dict.fromkeys(i.model for i in insts))
+    clash = sorted(set(spec.aliases) & set(models))
+    if clash:
+        raise fail("aliases", f"{clash} are also model names")
+    table: dict[str, dict[str, float]] = {}
+    if workload is not None:
+        for t, task in workload.tasks.items():
+            table[t] = {m: task.accuracy[m] for m in models if m in task.accuracy}
+    for t, row in q.tasks.items():
+        table.setdefault(t, {}).update(row)
+    if not table:
+        raise fail("quality", "no tasks: give quality.workload or quality.tasks")
+    for t, row in table.items():
+        missing = [m for m in models if m not in row]
+        if missing:
+            raise fail(f"quality.tasks.{t}", f"no accuracy for model(s) {missing} (add them, "
+                       "or name a quality.workload whose models include them)")
+    if q.default_task is not None and q.default_task not in table:
+        raise fail("quality.default_task", f"unknown task {q.default_task!r}; tasks: "
+                   f"{', '.join(table)}")
+    t = spec.ttft_target
+    if t.min_ms > t.max_ms:
+        raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
+    if not math.isfinite(spec.lambda_):
+        raise fail("lambda", "must be finite")
+    return Pool(source, tuple(insts), spec.policy, spec.lambda_, spec.delta, spec.alpha,
+                spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
+                q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health)
+
+
+def load_pool(path: str | Path) -> Pool:
+    """Read and validate a pool config YAML file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{source}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML ({' '.join(str(e).split())})") from None
+    return pool_from_dict(data, source)
+
+
+DEMO_MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
+
+
+def demo_pool(*, speed: float = 1.0, policy: str = "sfs") -> Pool:
+    """Three emulated instances (Qwen3 0.6B / 8B / 32B on H100 timing), the paper's prices and
+    accuracies."""
+    return pool_from_dict({
+        "policy": policy,
+        "instances": [{"name": m, "model": m, "emulate": {"speed": speed, "seed": k}}
+                      for k, m in enumerate(DEMO_MODELS)],
+    }, "demo pool")

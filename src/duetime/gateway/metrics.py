@@ -1,0 +1,61 @@
+"""The gateway's Prometheus metrics (``duetime_`` names), one registry per gateway."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5,
+                5.0, 10.0, 30.0, 60.0)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
+ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025, 0.05, 0.1,
+                 0.25, 0.5, 1.0)
+OVERHEAD_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series (process-wide; vLLM has none either)
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("duetime_requests", "Client requests by route and HTTP status.",
+                                ["route", "status"], registry=r)
+        self.decisions = Counter("duetime_decisions",
+                                 "Routing decisions (upstream attempts) per instance and model.",
+                                 ["instance", "model"], registry=r)
+        self.ttft = Histogram("duetime_ttft_seconds",
+                              "Observed time to first token at the gateway (arrival to first "
+                              "upstream chunk), per instance that served it.", ["instance"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.forecast_ratio = Histogram(
+            "duetime_forecast_ttft_ratio",
+            "Observed / forecast TTFT of the serving attempt (from the routing decision).",
+            ["instance"], buckets=RATIO_BUCKETS, registry=r)
+        self.forecast_error = Histogram(
+            "duetime_forecast_ttft_error_seconds",
+            "Observed - forecast TTFT of the serving attempt (seconds).", ["instance"],
+            buckets=ERROR_BUCKETS, registry=r)
+        self.target = Counter("duetime_ttft_target",
+                              "Requests with a first token by TTFT-target outcome "
+                              "(on_time / late); on-time rate = on_time / total.",
+                              ["instance", "outcome"], registry=r)
+        self.upstream_errors = Counter("duetime_upstream_errors",
+                                       "Failed upstream attempts by instance and kind "
+                                       "(connect, timeout, status_5xx, status_429, broken).",
+                                       ["instance", "kind"], registry=r)
+        self.retries = Counter("duetime_retries", "Upstream attempts after the first.",
+                               registry=r)
+        self.cancelled = Counter("duetime_client_disconnects",
+                                 "Requests whose client went away before the response ended "
+                                 "(the upstream request was cancelled).", registry=r)
+        self.overhead = Histogram("duetime_routing_seconds",
+                                  "Gateway time from a request's arrival to its first upstream "
+                                  "send (parsing, state, policy).", buckets=OVERHEAD_BUCKETS,
+                                  registry=r)
+        self.healthy = Gauge("duetime_instance_healthy", "1 if the instance is in rotation.",
+                             ["instance"], registry=r)
+        self.in_flight = Gauge("duetime_in_flight", "Upstream requests in flight.",
+                               ["instance"], registry=r)
+        self.ejections = Counter("duetime_ejections", "Times an instance was ejected.",
+                                 ["instance"], registry=r)
+        self.state_source = Counter("duetime_state_reads",
+                                    "Instance state reads for routing by source (published, "
+                                    "shadow, metrics).", ["instance", "source"], registry=r)

@@ -1,0 +1,83 @@
+"""A gateway with its embedded emulated instances, started and stopped in order."""
+
+from __future__ import annotations
+
+import logging
+
+from duetime.emulator import AppServer, Emulator, Faults, create_app
+from duetime.emulator.serving import bind
+from duetime.engine.profiles import load_profile
+from duetime.gateway.app import Gateway
+from duetime.gateway.config import Pool
+
+log = logging.getLogger("duetime.gateway")
+
+
+class Service:
+    """``start``: bind the gateway's port, start the pool's emulated instances on loopback
+    ephemeral ports, then the gateway. ``stop``: the gateway first (it stops accepting and
+    drains in-flight streams), then the instances it streamed from."""
+
+    def __init__(self, pool: Pool, *, host: str = "127.0.0.1", port: int = 0,
+                 drain_timeout_s: float | None = None) -> None:
+        self.pool = pool
+        self.host = host
+        self.port = port
+        self.drain_timeout_s = drain_timeout_s
+        self.emulators: dict[str, Emulator] = {}
+        self.emulator_servers: dict[str, AppServer] = {}
+        self.gateway: Gateway | None = None
+        self.server: AppServer | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    async def start(self) -> Service:
+        sock = bind(self.host, self.port)
+        try:
+            urls = {}
+            for inst in self.pool.instances:
+                if inst.emulate is None:
+                    continue
+                e = inst.emulate
+                prof = load_profile(inst.profile)  # type: ignore[arg-type]
+                emu = Emulator(prof.model, prof.config, model_name=inst.served_model,
+                               speed=e.speed, seed=e.seed, output_median=e.output_median,
+                               faults=Faults(e.fail_rate, tuple(e.fail_kinds)))
+                server = await AppServer(create_app(emu), host="127.0.0.1", port=0).start()
+                self.emulators[inst.name] = emu
+                self.emulator_servers[inst.name] = server
+                urls[inst.name] = server.url
+            self.pool = self.pool.with_urls(urls)
+            self.gateway = Gateway(self.pool)
+            self.server = AppServer(self.gateway.app(), host=self.host, sock=sock,
+                                    graceful_timeout_s=self.drain_timeout_s)
+            await self.server.start()
+        except BaseException:
+            sock.close()
+            await self._stop_emulators(force=True)
+            raise
+        return self
+
+    async def stop(self, *, force: bool = False) -> None:
+        if self.server is not None:
+            await self.server.stop(force=force)
+            self.server = None
+        if self.gateway is not None:
+            await self.gateway.close()  # (a forced stop skips the app's shutdown)
+        await self._stop_emulators(force=force)
+
+    def force(self) -> None:
+        if self.server is not None:
+            self.server.force()
+        for s in self.emulator_servers.values():
+            s.force()
+
+    async def _stop_emulators(self, *, force: bool) -> None:
+        for server in self.emulator_servers.values():
+            await server.stop(force=force)
+        for emu in self.emulators.values():
+            await emu.close()
+        self.emulator_servers.clear()

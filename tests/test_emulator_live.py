@@ -1,0 +1,124 @@
+"""``LiveEngine``: abort, observe and compact keep the engine's invariants and its rules."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from duetime.emulator.live import LiveEngine
+from duetime.engine import Engine, Sfs6, load_profile
+from duetime.engine.config import SchedulerConfig
+
+MODEL = Sfs6(c0=0.005, cp=2e-5, cpsq=5e-10, cd=2.5e-5, cs=4e-8, css=2e-13)
+SMALL = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=4096,
+                        block_size=16, num_gpu_blocks=120)
+
+
+def _finish_times(eng: Engine, ids: list[str]) -> dict[str, tuple[float, float]]:
+    eng.drain()
+    out = {}
+    for rid in ids:
+        r = eng.request(rid)
+        out[rid] = (r["first_token"], r["finish_time"])
+    return out
+
+
+def test_abort_before_start_equals_never_added():
+    a, b = LiveEngine(SMALL, MODEL), Engine(SMALL, MODEL)
+    for rid, p, s in [("x", 300, 20), ("y", 700, 10), ("z", 200, 30)]:
+        a.add(rid, p, s)
+        if rid != "y":
+            b.add(rid, p, s)
+    assert a.abort("y")
+    assert not a.abort("y")  # already gone
+    a.check_invariants()
+    assert _finish_times(a, ["x", "z"]) == _finish_times(b, ["x", "z"])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_aborts_keep_invariants(seed):
+    rng = random.Random(seed)
+    eng = LiveEngine(SMALL, MODEL)
+    live: list[str] = []
+    for k in range(60):
+        if rng.random() < 0.6:
+            rid = f"r{k}"
+            eng.add(rid, rng.randint(1, 900), rng.randint(1, 60))
+            live.append(rid)
+        if live and rng.random() < 0.3:
+            victim = live.pop(rng.randrange(len(live)))
+            eng.abort(victim)
+        eng.step()
+        eng.check_invariants()
+        live = [r for r in live if eng.has(r)]
+    eng.drain()
+    eng.check_invariants()
+    assert eng.idle and eng.free_blocks == SMALL.num_gpu_blocks
+
+
+def test_observe_moves_a_waiting_request_to_running():
+    eng = LiveEngine(SMALL, MODEL)
+    eng.add("a", 500, 50)   # takes the whole budget in step 1
+    eng.add("b", 100, 50)
+    assert eng.waiting_ids() == ["a", "b"]
+    assert eng.observe("b", 3)  # the real instance already streamed 3 tokens of b
+    eng.check_invariants()
+    assert eng.running_ids() == ["b"] and eng.waiting_ids() == ["a"]
+    r = eng.request("b")
+    assert (r["computed_tokens"], r["output_tokens"], r["blocks"]) == (102, 3, math.ceil(102 / 16))
+    assert r["first_token"] == eng.time
+    eng.drain()
+    eng.check_invariants()
+
+
+def test_observe_many_matches_observe_one_by_one():
+    rng = random.Random(3)
+    cfg = load_profile("qwen3-8b").config
+    one, many = LiveEngine(cfg, MODEL), LiveEngine(cfg, MODEL)
+    ids = []
+    for k in range(30):
+        p = rng.randint(10, 3000)
+        for eng in (one, many):
+            eng.add(f"r{k}", p, 10_000)
+        ids.append(f"r{k}")
+    for _ in range(4):
+        one.step()
+        many.step()
+    running = one.running_ids()
+    assert running == many.running_ids() and running
+    outs = {rid: one.request(rid)["output_tokens"] + rng.randint(0, 5) for rid in running}
+    for rid, n in outs.items():
+        one.observe(rid, n)
+    rows = np.array([many.row(r) for r in outs])
+    assert many.observe_many(rows, np.array(list(outs.values()))) >= 1
+    for rid in ids:
+        assert one.request(rid) == many.request(rid)
+    one.check_invariants()
+    many.check_invariants()
+
+
+def test_compact_changes_nothing_but_memory():
+    rng = random.Random(7)
+    a, b = LiveEngine(SMALL, MODEL), LiveEngine(SMALL, MODEL)
+    ids = []
+    for k in range(200):
+        p, s = rng.randint(1, 400), rng.randint(1, 30)
+        for eng in (a, b):
+            eng.add(f"r{k}", p, s)
+        ids.append(f"r{k}")
+        for eng in (a, b):
+            eng.step()
+        if k % 37 == 36:
+            rows = b.compact()
+            b.check_invariants()
+            assert set(rows) == set(b.running_ids()) | set(b.waiting_ids())
+    assert b.rows_used < a.rows_used
+    live = set(b.running_ids()) | set(b.waiting_ids())
+    assert a.running_ids() == b.running_ids() and a.waiting_ids() == b.waiting_ids()
+    a.drain()
+    b.drain()
+    for rid in live:
+        assert a.request(rid) == b.request(rid)

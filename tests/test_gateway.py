@@ -1,0 +1,528 @@
+"""The gateway over real emulated instances on loopback: routing, headers, streaming,
+reassembly, retries, ejection and re-probe, error bodies, client disconnects, draining.
+
+Each test starts a :class:`duetime.gateway.Service` (the gateway and its embedded emulators,
+uvicorn on port 0) inside ``asyncio.run`` with an overall timeout. Instances: ``a`` serves model
+``big`` (higher accuracy: preferred by utility), ``b`` serves ``small``. Timing is never
+asserted tightly: the tests check where requests go and what comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import httpx
+import pytest
+
+from duetime.emulator import Faults
+from duetime.emulator.protocol import chat_tokens
+from duetime.gateway import Service, pool_from_dict
+
+PRICE = {"prompt": 0.1, "output": 0.3}
+
+
+def run(coro: Awaitable[Any], timeout: float = 30.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def config(**kw: Any) -> dict[str, Any]:
+    """Two emulated instances: a (model big, qwen3-8b timing), b (model small, 0.6b)."""
+    a = {"name": "a", "model": "big", "profile": "qwen3-8b", "emulate": {"speed": 2.0},
+         "price_usd_per_mtok": PRICE}
+    b = {"name": "b", "model": "small", "profile": "qwen3-0.6b",
+         "emulate": {"speed": 2.0, "seed": 1}, "price_usd_per_mtok": PRICE}
+    a.update(kw.pop("a", {}))
+    b.update(kw.pop("b", {}))
+    d: dict[str, Any] = {
+        "policy": "sfs",
+        "quality": {"workload": None, "tasks": {"chat": {"big": 0.9, "small": 0.5},
+                                                "code": {"big": 0.8, "small": 0.2}}},
+        "instances": [a, b],
+        "health": {"interval_s": 0.1, "eject_after": 1},
+        "timeouts": {"connect_s": 1.0, "first_token_s": 10.0, "read_s": 10.0},
+    }
+    d.update(kw)
+    return d
+
+
+@contextlib.asynccontextmanager
+async def gateway(cfg: dict[str, Any]) -> AsyncIterator[tuple[Service, httpx.AsyncClient]]:
+    svc = await Service(pool_from_dict(cfg, "test"), drain_timeout_s=3.0).start()
+    try:
+        async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
+            yield svc, c
+    finally:
+        await svc.stop()
+
+
+def chat(content: str = "hello", **kw: Any) -> dict[str, Any]:
+    return {"model": "auto", "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4, **kw}
+
+
+async def wait_for(cond, timeout: float = 3.0) -> bool:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if cond():
+            return True
+        await asyncio.sleep(0.01)
+    return cond()
+
+
+def metric(text: str, line_start: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(line_start):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def wait_refused(port: int, timeout: float = 2.0) -> bool:
+    """Whether connections to the port are refused within ``timeout``."""
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            return True
+        w.close()
+        await asyncio.sleep(0.02)
+    return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+def test_auto_routes_by_utility_and_headers_tell_the_client():
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            r = await c.post("/v1/chat/completions", json=chat())
+            r2 = await c.post("/v1/chat/completions", json=chat(model="small"))
+            metrics = (await c.get("/metrics")).text
+            return r, r2, metrics
+
+    r, r2, metrics = run(go())
+    assert r.status_code == 200
+    assert r.headers["x-duetime-model"] == "big" and r.headers["x-duetime-instance"] == "a"
+    assert 0 < float(r.headers["x-duetime-forecast-ttft-ms"]) < 100
+    prompt = chat_tokens(chat()["messages"])
+    assert float(r.headers["x-duetime-ttft-target-ms"]) == pytest.approx(  # the released rule
+        max(150.0, 155 + 0.035 * prompt), abs=0.05)
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "big"
+    assert body["choices"][0]["message"]["content"] == "tok " * body["usage"][
+        "completion_tokens"]
+    # a concrete model restricts the candidates, whatever the utility says
+    assert r2.status_code == 200 and r2.headers["x-duetime-instance"] == "b"
+    assert metric(metrics, 'duetime_decisions_total{instance="a",model="big"}') == 1
+    assert metric(metrics, 'duetime_decisions_total{instance="b",model="small"}') == 1
+    assert metric(metrics, 'duetime_requests_total{route="chat",status="200"}') == 2
+    assert metric(metrics, 'duetime_forecast_ttft_ratio_count{instance="a"}') == 1
+    assert metric(metrics, 'duetime_ttft_target_total{instance="a",outcome="on_time"}') == 1
+
+
+def test_sfs_avoids_an_instance_busy_with_other_traffic_published_snapshot():
+    """Load sent to a's emulator directly (not through the gateway) is only visible in its
+    published snapshot."""
+    async def go():
+        async with gateway(config()) as (svc, c):
+            await c.post("/v1/chat/completions", json=chat())  # the gateway is active now
+            emu = svc.emulators["a"]
+            for _ in range(4):
+                emu.submit(30000, max_tokens=50)  # ~0.55 s of prefill each at speed 2
+            gw_a = svc.gateway.instances[0]
+
+            def seen() -> bool:  # the 4 requests, in a fresh published snapshot
+                snap = gw_a.snapshot()
+                return (gw_a.last_source == "published"
+                        and len(snap.running_table) + len(snap.waiting_table) >= 4)
+
+            assert await wait_for(seen), "the gateway never saw a's published load"
+            r = await c.post("/v1/chat/completions", json=chat(),
+                             headers={"x-duetime-ttft-ms": "500"})
+            return r
+
+    r = run(go())
+    assert r.status_code == 200 and r.headers["x-duetime-instance"] == "b"
+    assert float(r.headers["x-duetime-forecast-ttft-ms"]) <= 500
+
+
+def test_sfs_avoids_an_instance_busy_with_its_own_traffic_shadow_state():
+    """With state.source shadow, the replica of a holds the long prompts the gateway sent."""
+    async def go():
+        async with gateway(config(state={"source": "shadow"})) as (svc, c):
+            long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2, "stream": True}
+
+            async def send_long() -> None:
+                async with c.stream("POST", "/v1/completions", json=long) as resp:
+                    async for _ in resp.aiter_bytes():
+                        pass
+
+            tasks = [asyncio.create_task(send_long()) for _ in range(4)]
+            gw_a = svc.gateway.instances[0]
+            assert await wait_for(lambda: len(gw_a.flights) == 4)
+            snap = gw_a.snapshot()
+            assert gw_a.last_source == "shadow"
+            assert len(snap.running_table) + len(snap.waiting_table) == 4
+            r = await c.post("/v1/chat/completions", json=chat(),
+                             headers={"x-duetime-ttft-ms": "400"})
+            for t in tasks:  # (their clients go away: the gateway cancels them upstream)
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert await wait_for(lambda: not gw_a.flights and svc.emulators["a"].engine.idle)
+            return r
+
+    r = run(go())
+    assert r.status_code == 200 and r.headers["x-duetime-instance"] == "b"
+
+
+def test_load_aware_reads_scraped_metrics():
+    async def go():
+        cfg = config(policy="load-aware", b={"model": "big"})
+        async with gateway(cfg) as (svc, c):
+            await c.post("/v1/chat/completions", json=chat())  # the gateway is active now
+            emu = svc.emulators["a"]
+            for _ in range(8):  # some wait for seconds: one 30k-token prefill per step
+                emu.submit(30000, max_tokens=50)
+            gw_a = svc.gateway.instances[0]
+            assert await wait_for(lambda: gw_a.num_waiting >= 3)
+            return [(await c.post("/v1/chat/completions", json=chat())).headers[
+                "x-duetime-instance"] for _ in range(3)]
+
+    assert run(go()) == ["b", "b", "b"]
+
+
+def test_task_header_and_attempted_header():
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            r = await c.post("/v1/chat/completions", json=chat(),
+                             headers={"x-duetime-task": "code", "x-duetime-attempted": "big",
+                                      "x-session-id": "s1"})
+            bad = await c.post("/v1/chat/completions", json=chat(),
+                               headers={"x-duetime-task": "poetry"})
+            return r, bad
+
+    r, bad = run(go())
+    assert r.status_code == 200 and r.headers["x-duetime-instance"] == "a"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-duetime-task"
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def test_streaming_pass_through_and_usage_chunk_only_when_asked():
+    async def events(c: httpx.AsyncClient, body: dict[str, Any]) -> tuple[httpx.Headers,
+                                                                         list[str]]:
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            return r.headers, [line[6:] async for line in r.aiter_lines()
+                               if line.startswith("data: ")]
+
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            with_usage = await events(c, chat(stream=True, max_tokens=6, ignore_eos=True,
+                                              stream_options={"include_usage": True}))
+            without = await events(c, chat(stream=True, max_tokens=6, ignore_eos=True))
+            return with_usage, without
+
+    (h1, e1), (_h2, e2) = run(go())
+    assert h1["x-duetime-instance"] == "a" and "x-duetime-forecast-ttft-ms" in h1
+    assert e1[-1] == e2[-1] == "[DONE]"
+    c1 = [json.loads(e) for e in e1[:-1]]
+    assert c1[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert [c["choices"][0]["delta"]["content"] for c in c1[1:-1]] == ["tok "] * 6
+    assert c1[-1]["choices"] == [] and c1[-1]["usage"]["completion_tokens"] == 6
+    c2 = [json.loads(e) for e in e2[:-1]]
+    assert all(c["choices"] for c in c2) and len(c2) == 7  # role + 6 tokens, no usage
+
+
+def test_completions_non_streaming_reassembly():
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            return await c.post("/v1/completions", json={"model": "small", "prompt": "x" * 40,
+                                                         "max_tokens": 7, "ignore_eos": True})
+
+    r = run(go())
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "small"
+    assert body["choices"][0]["text"] == "tok " * 7
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 7, "total_tokens": 17}
+
+
+# -- failures and retries -----------------------------------------------------------------------
+
+def test_5xx_is_retried_on_another_instance_then_ejected_and_reprobed():
+    async def go():
+        cfg = config(a={"emulate": {"speed": 2.0, "fail_rate": 1.0}})
+        async with gateway(cfg) as (svc, c):
+            r = await c.post("/v1/chat/completions", json=chat())
+            gw_a = svc.gateway.instances[0]
+            ejected = not gw_a.healthy
+            svc.emulators["a"].faults = Faults()  # fixed; /health was 200 all along
+            back = await wait_for(lambda: gw_a.healthy)
+            r2 = await c.post("/v1/chat/completions", json=chat())
+            metrics = (await c.get("/metrics")).text
+            return r, ejected, back, r2, metrics
+
+    r, ejected, back, r2, metrics = run(go())
+    assert r.status_code == 200
+    assert r.headers["x-duetime-instance"] == "b" and r.headers["x-duetime-attempts"] == "2"
+    assert ejected and back
+    assert r2.headers["x-duetime-instance"] == "a" and r2.headers["x-duetime-attempts"] == "1"
+    assert metric(metrics, "duetime_retries_total") == 1
+    assert metric(metrics, 'duetime_upstream_errors_total{instance="a",kind="status_5xx"}') == 1
+    assert metric(metrics, 'duetime_ejections_total{instance="a"}') == 1
+
+
+def test_unhealthy_instance_stays_out_until_its_health_probe_passes():
+    async def go():
+        async with gateway(config()) as (svc, c):
+            emu_a, gw_a = svc.emulators["a"], svc.gateway.instances[0]
+            emu_a.faults = Faults(healthy=False)  # 503 on requests and on /health
+            r1 = await c.post("/v1/chat/completions", json=chat())
+            await asyncio.sleep(0.4)  # several failed probes
+            still_out = not gw_a.healthy
+            r2 = await c.post("/v1/chat/completions", json=chat())
+            emu_a.faults = Faults()
+            back = await wait_for(lambda: gw_a.healthy)
+            r3 = await c.post("/v1/chat/completions", json=chat())
+            return r1, still_out, r2, back, r3
+
+    r1, still_out, r2, back, r3 = run(go())
+    assert (r1.headers["x-duetime-instance"], r1.headers["x-duetime-attempts"]) == ("b", "2")
+    assert still_out
+    assert (r2.headers["x-duetime-instance"], r2.headers["x-duetime-attempts"]) == ("b", "1")
+    assert back and r3.headers["x-duetime-instance"] == "a"
+
+
+def test_connect_error_is_retried_and_ejects_at_once():
+    async def go():
+        dead = f"http://127.0.0.1:{free_port()}"
+        cfg = config(a={"url": dead, "emulate": None}, health={"interval_s": 5.0})
+        async with gateway(cfg) as (_svc, c):
+            r1 = await c.post("/v1/chat/completions", json=chat())
+            r2 = await c.post("/v1/chat/completions", json=chat())
+            out = (await c.get("/duetime/instances")).json()
+            metrics = (await c.get("/metrics")).text
+            return r1, r2, out, metrics
+
+    r1, r2, out, metrics = run(go())
+    assert (r1.status_code, r1.headers["x-duetime-instance"]) == (200, "b")
+    assert r1.headers["x-duetime-attempts"] == "2" and r2.headers["x-duetime-attempts"] == "1"
+    a = out["instances"][0]
+    assert a["name"] == "a" and a["healthy"] is False and "connect" in a["last_error"]
+    assert metric(metrics, 'duetime_upstream_errors_total{instance="a",kind="connect"}') == 1
+    assert metric(metrics, 'duetime_instance_healthy{instance="a"}') == 0
+
+
+def test_all_upstreams_failing_is_502_then_503_when_none_is_healthy():
+    async def go():
+        cfg = config(a={"emulate": {"fail_rate": 1.0}},
+                     b={"emulate": {"fail_rate": 1.0, "fail_kinds": ["disconnect"]}},
+                     health={"interval_s": 30.0, "eject_after": 1})
+        async with gateway(cfg) as (_svc, c):
+            r1 = await c.post("/v1/chat/completions", json=chat())
+            r2 = await c.post("/v1/chat/completions", json=chat())
+            h = await c.get("/health")
+            return r1, r2, h
+
+    r1, r2, h = run(go())
+    assert r1.status_code == 502
+    err = r1.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "upstream_failed" and err["type"] == "upstream_error"
+    assert "a:" in err["message"] and "b:" in err["message"]
+    assert r2.status_code == 503 and r2.json()["error"]["code"] == "no_healthy_instance"
+    assert h.status_code == 503
+
+
+def test_first_token_timeout_is_retried():
+    async def go():
+        cfg = config(a={"emulate": {"fail_rate": 1.0, "fail_kinds": ["timeout"]}},
+                     timeouts={"first_token_s": 0.3}, health={"eject_after": 3})
+        async with gateway(cfg) as (_svc, c):
+            r = await c.post("/v1/chat/completions", json=chat(stream=True))
+            metrics = (await c.get("/metrics")).text
+            return r, metrics
+
+    r, metrics = run(go())
+    assert r.status_code == 200 and r.headers["x-duetime-instance"] == "b"
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert metric(metrics, 'duetime_upstream_errors_total{instance="a",kind="timeout"}') == 1
+
+
+@pytest.mark.parametrize(("body", "headers", "status", "param"), [
+    (b"{oops", {}, 400, None),
+    (b'{"model": "auto"}', {}, 400, "messages"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}', {}, 400,
+     "max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', {"x-duetime-ttft-ms": "soon"}, 400,
+     "x-duetime-ttft-ms"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', {"x-duetime-ttft-ms": "-5"}, 400,
+     "x-duetime-ttft-ms"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', {"x-duetime-attempted": "big,,x"},
+     400, "x-duetime-attempted"),
+    (b'{"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}', {}, 404, "model"),
+])
+def test_bad_requests_get_openai_errors(body, headers, status, param):
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            return await c.post("/v1/chat/completions", content=body,
+                                headers={"content-type": "application/json", **headers})
+
+    r = run(go())
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+
+
+def test_upstream_client_error_is_relayed():
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            return await c.post("/v1/completions", json={
+                "model": "small", "prompt": [1] * 131000, "max_tokens": 2000})
+
+    r = run(go())
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.headers["x-duetime-instance"] == "b"
+
+
+# -- disconnects and shutdown -------------------------------------------------------------------
+
+def test_client_disconnect_mid_stream_cancels_upstream():
+    async def go():
+        async with gateway(config()) as (svc, c):
+            body = chat(stream=True, max_tokens=5000, ignore_eos=True)
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                n = 0
+                async for line in r.aiter_lines():
+                    n += line.startswith("data: {")
+                    if n == 4:
+                        break
+            emu = svc.emulators["a"]
+            aborted = await wait_for(lambda: emu.aborted == 1)
+            gw_a = svc.gateway.instances[0]
+            drained = await wait_for(lambda: not gw_a.flights and gw_a.shadow.idle)
+            metrics = (await c.get("/metrics")).text
+            return aborted, drained, emu.engine.idle, metrics
+
+    aborted, drained, idle, metrics = run(go())
+    assert aborted and drained and idle
+    assert metric(metrics, "duetime_client_disconnects_total") == 1
+    assert metric(metrics, 'duetime_requests_total{route="chat",status="499"}') == 1
+
+
+def test_client_disconnect_before_first_token_cancels_upstream():
+    async def go():
+        cfg = config(a={"profile": "qwen3-32b", "emulate": {"speed": 1.0}})
+        async with gateway(cfg) as (svc, c):
+            body = {"model": "big", "prompt": [1] * 120000, "max_tokens": 2}
+            with pytest.raises(TimeoutError):  # the prefill takes seconds
+                await asyncio.wait_for(c.post("/v1/completions", json=body), 0.5)
+            emu = svc.emulators["a"]
+            return await wait_for(lambda: emu.aborted == 1 and emu.engine.idle)
+
+    assert run(go())
+
+
+def test_shutdown_drains_in_flight_streams():
+    async def go():
+        svc = await Service(pool_from_dict(config(), "test"), drain_timeout_s=10).start()
+        chunks = []
+        async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
+            body = chat(stream=True, max_tokens=400, ignore_eos=True)  # ~1.5 s of decoding
+            port = svc.server.port
+            refused = False
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                stopping = None
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        if stopping is None:
+                            stopping = asyncio.create_task(svc.stop())
+                            refused = await wait_refused(port)  # no new connections
+            await asyncio.wait_for(stopping, 10)
+        return chunks, refused
+
+    chunks, refused = run(go())
+    assert refused
+    assert chunks[-1] == "[DONE]" and len(chunks) >= 400
+
+
+def test_models_health_metrics_endpoints():
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            return ((await c.get("/v1/models")).json(), await c.get("/health"),
+                    (await c.get("/metrics")).text)
+
+    models, health, metrics = run(go())
+    assert [m["id"] for m in models["data"]] == ["auto", "big", "small"]
+    assert health.status_code == 200 and health.json()["healthy_instances"] == 2
+    for name in ("duetime_requests_total", "duetime_decisions_total", "duetime_ttft_seconds",
+                 "duetime_forecast_ttft_ratio", "duetime_forecast_ttft_error_seconds",
+                 "duetime_ttft_target_total", "duetime_upstream_errors_total",
+                 "duetime_retries_total", "duetime_instance_healthy",
+                 "duetime_routing_seconds"):
+        assert f"# TYPE {name.removesuffix('_total')}" in metrics, name
+
+
+# -- the command --------------------------------------------------------------------------------
+
+def test_duetime_serve_demo_starts_answers_and_stops_on_ctrl_c():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "duetime", "serve", "--port", "0",
+                             "--log-level", "warning"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        t_end = time.monotonic() + 60
+        while url is None and time.monotonic() < t_end:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            if "listening on " in line:
+                url = line.split("listening on ", 1)[1].split()[0]
+        assert url, proc.stderr.read() if proc.poll() is not None else "no banner"
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat(), timeout=20)
+        assert r.status_code == 200 and r.headers["x-duetime-model"].startswith("qwen3-")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 0, err
+        assert "stopped" in out and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_retry_until_correct_client_with_ttca_tries_another_model():
+    """duetime.client's contract end to end: the retry names the model tried first, and the
+    ttca policy (which excludes attempted models) sends it elsewhere."""
+    from duetime.client import ask_until_correct
+
+    async def go():
+        async with gateway(config(policy="ttca")) as (svc, _c):
+            return await asyncio.to_thread(
+                ask_until_correct, f"{svc.url}/v1", [{"role": "user", "content": "q"}],
+                lambda text: False, max_attempts=2, max_tokens=3, session="s1", timeout_s=20)
+
+    out = run(go())
+    assert len(out.attempts) == 2 and all(a.text.startswith("tok ") for a in out.attempts)
+    assert {a.model for a in out.attempts} == {"big", "small"}
+    assert {a.instance for a in out.attempts} == {"a", "b"}

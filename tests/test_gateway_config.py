@@ -1,0 +1,125 @@
+"""Pool config: validation errors name the file, the field and the reason; resolution."""
+
+from __future__ import annotations
+
+import pytest
+
+from duetime.cli import main
+from duetime.engine import load_profile
+from duetime.gateway import ConfigError, demo_pool, load_pool, pool_from_dict
+
+GOOD = """\
+policy: sfs-soft
+lambda: 1.0e-4
+delta: 2.0e-6
+instances:
+  - name: small
+    model: qwen3-0.6b
+    url: http://127.0.0.1:8101/
+    profile: qwen3-0.6b
+  - name: big
+    model: qwen3-32b
+    url: http://10.0.0.7:8000
+    profile: qwen3-32b
+    speed: 2
+    price_usd_per_mtok: {prompt: 0.3, output: 0.7}
+quality:
+  workload: paper
+  default_task: alpaca
+ttft_target: {base_ms: 200}
+"""
+
+
+def write(tmp_path, text: str) -> str:
+    p = tmp_path / "pool.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_a_good_config_resolves(tmp_path):
+    pool = load_pool(write(tmp_path, GOOD))
+    assert pool.policy == "sfs-soft" and pool.lam == 1e-4 and pool.delta == 2e-6
+    small, big = pool.instances
+    assert small.url == "http://127.0.0.1:8101"
+    assert (small.price_prompt, small.price_output) == (0.044, 0.173)  # from the workload
+    assert (big.price_prompt, big.price_output) == (0.3, 0.7)
+    # speed 2: the shadow replica's batch-time model is twice as fast
+    assert big.batch_time.coefficients["c0"] == pytest.approx(
+        load_profile("qwen3-32b").model.coefficients["c0"] / 2)
+    assert pool.quality["alpaca"] == {"qwen3-0.6b": 0.5349, "qwen3-32b": 0.8885}
+    assert pool.default_task == "alpaca"
+    assert pool.target_ms(1000) == 235.0 and pool.target_ms(10**6) == 1120.0
+
+
+def test_demo_pool():
+    pool = demo_pool(speed=3)
+    assert [i.model for i in pool.instances] == ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"]
+    assert all(i.emulate is not None and i.emulate.speed == 3 for i in pool.instances)
+    assert set(pool.quality) == {"alpaca", "hotpotqa", "govreport", "writingprompts"}
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"instances": []}, "pool.yaml: instances: List should have at least 1 item"),
+    ({"policy": "fastest"}, "pool.yaml: policy: unknown policy 'fastest'"),
+    ({"lambda": -1}, "pool.yaml: lambda: Input should be greater than or equal to 0"),
+    ({"retries": "many"}, "pool.yaml: retries: Input should be a valid integer"),
+    ({"colour": "blue"}, "pool.yaml: colour: unknown field"),
+    ({"state": {"source": "psychic"}}, "pool.yaml: state.source: Input should be"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "ftp://x",
+                     "profile": "qwen3-8b"}]},
+     "pool.yaml: instances[0].url: must be an http(s) URL, got 'ftp://x'"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                     "profile": "qwen9"}]},
+     "pool.yaml: instances[0].profile: unknown engine profile 'qwen9'"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "profile": "qwen3-8b"}]},
+     "pool.yaml: instances[0]: needs exactly one of url"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h"}]},
+     "pool.yaml: instances[0]: needs profile"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                     "profile": "qwen3-8b"},
+                    {"name": "x", "model": "qwen3-8b", "url": "http://g",
+                     "profile": "qwen3-8b"}]},
+     "pool.yaml: instances[1].name: duplicate instance name 'x'"),
+    ({"instances": [{"name": "x", "model": "mine", "url": "http://h",
+                     "profile": "qwen3-8b"}]},
+     "pool.yaml: instances[0].price_usd_per_mtok: missing"),
+    ({"instances": [{"name": "x", "model": "mine", "url": "http://h", "profile": "qwen3-8b",
+                     "price_usd_per_mtok": {"prompt": 1, "output": 1}}]},
+     "pool.yaml: quality.tasks.alpaca: no accuracy for model(s) ['mine']"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                     "batch_time": {"model": "sfs6", "coefficients": {"c0": 1}},
+                     "config": {"max_num_seqs": 8}}]},
+     "pool.yaml: instances[0]:"),
+    ({"quality": {"default_task": "chess"}}, "pool.yaml: quality.default_task: unknown task"),
+    ({"quality": {"workload": "nowhere.yaml"}}, "pool.yaml: quality.workload: nowhere.yaml"),
+    ({"quality": {"tasks": {"chat": {"qwen3-8b": 1.5}}}}, "pool.yaml: quality.tasks:"),
+    ({"aliases": ["qwen3-8b"]}, "pool.yaml: aliases: ['qwen3-8b'] are also model names"),
+    ({"ttft_target": {"min_ms": 500, "max_ms": 100}}, "pool.yaml: ttft_target: min_ms"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b",
+                     "emulate": {"fail_kinds": ["gremlins"]}}]},
+     "pool.yaml: instances[0].emulate.fail_kinds: must be among"),
+])
+def test_config_errors_name_file_field_and_reason(edit, message):
+    base = {"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                           "profile": "qwen3-8b"}]}
+    with pytest.raises(ConfigError) as e:
+        pool_from_dict({**base, **edit}, "pool.yaml")
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"^.*missing\.yaml: cannot read"):
+        load_pool(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"pool\.yaml: not valid YAML"):
+        load_pool(write(tmp_path, "instances: [\n"))
+    with pytest.raises(ConfigError, match=r"pool\.yaml: must be a mapping"):
+        load_pool(write(tmp_path, "- 1\n"))
+
+
+def test_serve_reports_config_errors_on_one_line(tmp_path, capsys):
+    path = write(tmp_path, "policy: sfs\ninstances: []\n")
+    assert main(["serve", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"duetime: error: {path}: instances:") and err.count("\n") == 1
+    assert main(["serve", "--config", path, "--speed", "2"]) == 2
+    assert "--speed applies to the demo pool" in capsys.readouterr().err
