@@ -2,7 +2,10 @@
 
 Subcommands: ``forecast`` (TTFT / end-to-end forecast from a snapshot JSON), ``profiles``
 (the built-in instance profiles), ``snapshot example`` (a paper-like snapshot to feed
-``forecast``) and ``demo`` (forecasts on a busy instance for every profile).
+``forecast``), ``demo`` (forecasts on a busy instance for every profile); and, registered by
+their packages: ``simulate`` / ``experiment`` (``duetime.experiments.cli``), ``workload``
+(``duetime.workload.cli``), ``predict`` (``duetime.predict.cli``), ``emulate``
+(``duetime.emulator.cli``) and ``serve`` (``duetime.gateway.cli``).
 
 Bad input (unreadable file, invalid JSON, invalid snapshot, invalid probe, bad arguments) is
 reported as one line ``duetime: error: ...`` on stderr with exit status 2, never a traceback.
@@ -227,7 +230,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 DESCRIPTION = """\
 duetime routes each LLM request to the model instance that gives the best answer
-in time. This command forecasts time-to-first-token from an instance snapshot.
+in time: an OpenAI-compatible gateway (serve), emulated vLLM instances (emulate),
+TTFT forecasts from instance snapshots (forecast), the cluster simulator and the
+papers' experiments (simulate, experiment), and request predictors (predict).
 """
 
 EPILOG = """\
@@ -237,6 +242,9 @@ examples:
   duetime forecast snap.json --prompt-tokens 2048
   duetime forecast snap.json --prompt-tokens 2048 --predicted-output-tokens 300 --until finish
   duetime snapshot example --running 5 --waiting 2 | duetime forecast - --prompt-tokens 512 --trace
+  duetime predict synth --out judged.jsonl --n 2000
+  duetime predict train --data judged.jsonl --out model-dir
+  duetime predict eval --model model-dir --data held-out.jsonl
 """
 
 
@@ -322,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     from duetime.workload.cli import add_commands as add_workload_commands
     add_experiment_commands(sub, command, CliError)
     add_workload_commands(sub, command, CliError)
+    from duetime.predict.cli import add_commands as add_predict_commands
+    add_predict_commands(sub, command, CliError)
     from duetime.emulator.cli import add_commands as add_emulator_commands
     add_emulator_commands(sub, command, CliError)
     from duetime.gateway.cli import add_commands as add_gateway_commands
