@@ -143,6 +143,12 @@ class Gateway:
         self.quality["*"] = {m: float(np.mean([pool.quality[t][m] for t in tasks]))
                              for m in pool.models}
         self.default_task = pool.default_task or "*"
+        self.trained = None
+        if pool.predictor is not None:
+            from duetime.predict.quality_source import Trained
+            self.trained = Trained(pool.predictor)
+        # retry-aware policies read RoutingRequest.quality as the success probability
+        self.wants_success = pool.policy in ("laar", "ttca")
         self.client: httpx.AsyncClient | None = None
         self.transport: httpx.AsyncHTTPTransport | None = None
         self._timeouts: dict[str, float] = {}
@@ -362,6 +368,34 @@ class Gateway:
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
 
+    def _predict(self, req: CompletionRequest, ctl: _Controls,
+                 table: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+        """Per model: predicted quality (or success probability, for retry-aware policies)
+        and median output length, from the trained predictors."""
+        from duetime.predict.quality_source import Query
+
+        body = req.body
+        if req.chat:
+            parts = [m.get("content") for m in body.get("messages") or []
+                     if isinstance(m, dict)]
+            text = "\n".join(p if isinstance(p, str) else " ".join(
+                x.get("text", "") for x in p if isinstance(x, dict)) for p in parts
+                if isinstance(p, str | list))
+        else:
+            prompt = body.get("prompt")
+            text = prompt if isinstance(prompt, str) else " ".join(
+                x for x in prompt or [] if isinstance(x, str))
+        models = self.pool.models
+        preds = self.trained.predict(Query(text, None if ctl.task == "*" else ctl.task,
+                                           tokens=req.prompt_tokens), models)
+        head = preds.success if self.wants_success else preds.quality
+        quality = (table if head is None else
+                   {m: float(v) for m, v in zip(models, head.tolist(), strict=True)})
+        lengths = ({} if preds.length_median is None else
+                   {m: float(v) for m, v in zip(models, preds.length_median.tolist(),
+                                                strict=True)})
+        return quality, lengths
+
     async def _route(self, req: CompletionRequest, ctl: _Controls, insts: list[InstanceState],
                      chat: bool, send: Send, t0: float) -> int:
         pool = self.pool
@@ -373,6 +407,9 @@ class Gateway:
         body["stream_options"] = {"include_usage": True}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         quality = self.quality[ctl.task]
+        lengths: dict[str, float] = {}
+        if self.trained is not None:
+            quality, lengths = self._predict(req, ctl, quality)
         tried: set[str] = set()
         errors: list[str] = []
         attempt = 0
@@ -388,7 +425,9 @@ class Gateway:
             now = time.monotonic()
             rr = RoutingRequest(rid, req.prompt_tokens,
                                 np.array([quality[c.model] for c in cands]),
-                                np.full(len(cands), predicted),
+                                np.array([max(1, min(predicted if req.max_tokens else 1 << 30,
+                                                     round(lengths.get(c.model, predicted))))
+                                          for c in cands]),
                                 max(0.0, ctl.target_s - (now - t0)), ctl.task, ctl.session,
                                 ctl.attempted)
             decision = self.policy.choose(rr, [c.candidate for c in cands], now)

@@ -86,6 +86,7 @@ class QualitySpec(_Strict):
     workload: str | None = "paper"
     tasks: dict[str, dict[str, float]] = {}
     default_task: str | None = None
+    predictor: str | None = None  # a directory from `duetime predict train`
 
     @field_validator("tasks")
     @classmethod
@@ -185,6 +186,7 @@ class Pool:
     state: StateSpec
     timeouts: TimeoutSpec
     health: HealthSpec
+    predictor: str | None = None  # trained predictors (quality, lengths, success), if any
 
     @property
     def models(self) -> list[str]:
@@ -307,6 +309,20 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     if q.default_task is not None and q.default_task not in table:
         raise fail("quality.default_task", f"unknown task {q.default_task!r}; tasks: "
                    f"{', '.join(table)}")
+    predictor = None
+    if q.predictor is not None:
+        from duetime.predict.quality_source import Trained
+        base = Path(source).parent if Path(source).is_file() else Path.cwd()
+        predictor = str(Path(q.predictor) if Path(q.predictor).is_absolute()
+                        else base / q.predictor)
+        try:
+            trained = Trained(predictor)
+        except (OSError, ValueError) as e:  # PredictorFormatError is a ValueError
+            raise fail("quality.predictor", str(e)) from None
+        unknown = [m for m in models if m not in trained.predictor.models]
+        if unknown:
+            raise fail("quality.predictor", f"the predictor knows no model(s) {unknown} (it was "
+                       f"trained for {', '.join(trained.predictor.models)})")
     t = spec.ttft_target
     if t.min_ms > t.max_ms:
         raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
@@ -314,7 +330,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         raise fail("lambda", "must be finite")
     return Pool(source, tuple(insts), spec.policy, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
-                q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health)
+                q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
+                predictor)
 
 
 def load_pool(path: str | Path) -> Pool:
