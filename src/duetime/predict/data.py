@@ -119,10 +119,8 @@ def parse_row(obj: Any, source: str = "<row>", line: int = 0) -> Row:
             fail("output_tokens", f"must be an integer >= 0 or null, got {json.dumps(out)}")
         out = int(out)
     correct = obj.get("correct")
-    if correct is not None:
-        if isinstance(correct, bool):
-            pass
-        elif isinstance(correct, int | float) and correct in (0, 1):
+    if correct is not None and not isinstance(correct, bool):
+        if isinstance(correct, int | float) and correct in (0, 1):
             correct = bool(correct)
         else:
             fail("correct", f"must be true, false, 0, 1 or null, got {json.dumps(correct)}")
