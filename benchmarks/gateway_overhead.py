@@ -1,71 +1,139 @@
-"""How much latency does the gateway add? Direct to an emulator vs through the gateway.
+"""How much latency does a gateway add? Direct to an instance, through duetime, through LiteLLM.
 
 Starts, as subprocesses on loopback, one emulated instance (``duetime emulate``, Qwen3-0.6B
-timing sped up ``--speed`` times, so that engine time is small beside HTTP) and a gateway
-(``duetime serve``) whose pool is that one instance. Then, from this process, at each
-concurrency (1, 16, 64 clients in closed loop), streams the same requests (a short chat prompt,
-``max_tokens`` 8 with ``ignore_eos``) to the emulator directly and through the gateway, in
-alternating rounds, and prints p50 / p99 of time to first token and of the whole response for
-both, and the difference (the gateway's added latency).
+timing sped up ``--speed`` times, so that engine time is small beside HTTP), a duetime gateway
+(``duetime serve``) whose pool is that one instance and, when ``--litellm`` names its command
+(``scripts/litellm_env.sh`` builds one), LiteLLM's proxy in front of the same instance. Then,
+from this process, at each concurrency (1, 16, 64 clients in closed loop), streams the same
+requests (a short chat prompt, ``max_tokens`` 8 with ``ignore_eos``) on every path in
+alternating rounds, and prints p50 / p99 of time to first token and of the whole response, what
+each proxy adds over the direct path, and each proxy's CPU per request.
 
-The gateway runs its full hot path: prompt estimate, the policy (``--policy``, default ``sfs``:
-an engine-replay forecast per candidate on the published snapshot it polls every 50 ms),
-upstream stream with retries armed, pass-through, metrics and logs (at warning level, as a busy
-deployment would run). On a small machine the three processes share the cores: the numbers
-include that contention, and move by tens of percent from run to run — compare the columns
-within one run. The LiteLLM comparison of the issue is not part of this script yet.
+duetime runs its full hot path: prompt estimate, the policy (``--policy``, default ``sfs``: an
+engine-replay forecast per candidate on the published snapshot it polls every 50 ms), upstream
+stream with retries armed, pass-through, metrics and logs at warning level. LiteLLM runs its
+proxy with a master key (it refuses to start without one), its default router, and uvicorn's
+access log off (``--log_config``), as a deployment would. On a small machine the processes share
+the cores: the numbers include that contention and move by tens of percent from run to run, so
+compare columns within one run.
 
     python benchmarks/gateway_overhead.py [--requests N] [--speed X] [--policy NAME]
+                                          [--litellm PATH/TO/litellm]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 CONCURRENCY = (1, 16, 64)
-BODY = {"model": "qwen3-0.6b", "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": 8, "ignore_eos": True, "stream": True}
+MODEL = "qwen3-0.6b"
+BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}],
+                   "max_tokens": 8, "ignore_eos": True, "stream": True}).encode()
+LITELLM_KEY = "sk-duetime-benchmark-0123456789abcdef"
+REPO = Path(__file__).resolve().parents[1]
 
 
-def _start(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "duetime", *args, "--port", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+@dataclass
+class Path_:
+    name: str
+    url: str
+    pid: int | None  # the proxy process (None: the direct path)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _wait_line(proc: subprocess.Popen[str], marker: str, what: str, limit_s: float) -> str:
     assert proc.stdout is not None
-    t_end = time.monotonic() + 120
+    t_end = time.monotonic() + limit_s
     while time.monotonic() < t_end:
         line = proc.stdout.readline()
         if not line:
             break
-        if "listening on " in line:
-            return proc, line.split("listening on ", 1)[1].split()[0]
+        if marker in line:
+            return line
     proc.kill()
-    raise SystemExit(f"could not start: duetime {' '.join(args)}")
+    raise SystemExit(f"gateway_overhead: could not start {what}")
 
 
-async def _one(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
+def _start_duetime(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "duetime", *args, "--port", "0",
+                             "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = _wait_line(proc, "listening on ", f"duetime {' '.join(args)}", 120)
+    return proc, line.split("listening on ", 1)[1].split()[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_litellm(cmd: str, backend: str, tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    cfg = tmp / "litellm.yaml"
+    cfg.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+                   f"      model: hosted_vllm/{MODEL}\n      api_base: {backend}/v1\n"
+                   f"      api_key: none\n")
+    # uvicorn's access log off, LiteLLM's own logger at warning (as duetime runs here)
+    logcfg = tmp / "litellm-logging.json"
+    logcfg.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "handlers": {"err": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr"}},
+        "loggers": {"uvicorn": {"handlers": ["err"], "level": "WARNING"},
+                    "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False}},
+    }))
+    port = _free_port()
+    env = {**os.environ, "LITELLM_MASTER_KEY": LITELLM_KEY, "LITELLM_LOG": "WARNING",
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([cmd, "--config", str(cfg), "--host", "127.0.0.1", "--port",
+                             str(port), "--log_config", str(logcfg)], cwd=tmp, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + 180
+    import urllib.request
+
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise SystemExit(f"gateway_overhead: LiteLLM exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health/liveliness", timeout=1):
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("gateway_overhead: LiteLLM did not come up within 180 s")
+
+
+async def _one(session: aiohttp.ClientSession, path: Path_) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = None
-    async with client.stream("POST", url, json=BODY) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for chunk in r.aiter_raw():
-            if first is None and chunk:
+    async with session.post(path.url + "/v1/chat/completions", data=BODY,
+                            headers={"content-type": "application/json", **path.headers}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{path.name}: HTTP {r.status}: {(await r.read())[:200]!r}")
+        while True:
+            chunk = await r.content.readany()
+            if not chunk:
+                break
+            if first is None:
                 first = time.perf_counter() - t0
     return first or 0.0, time.perf_counter() - t0
 
 
-async def _round(client: httpx.AsyncClient, url: str, conc: int, n: int,
+async def _round(session: aiohttp.ClientSession, path: Path_, conc: int, n: int,
                  out: list[tuple[float, float]]) -> None:
     left = n
 
@@ -73,13 +141,15 @@ async def _round(client: httpx.AsyncClient, url: str, conc: int, n: int,
         nonlocal left
         while left > 0:
             left -= 1
-            out.append(await _one(client, url))
+            out.append(await _one(session, path))
 
     await asyncio.gather(*(worker() for _ in range(conc)))
 
 
-def _cpu_s(pid: int) -> float:
+def _cpu_s(pid: int | None) -> float:
     """CPU seconds (user + system) a process has used so far (Linux /proc; else 0)."""
+    if pid is None:
+        return 0.0
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
@@ -92,74 +162,101 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-async def _measure(direct: str, gateway: str, n: int, rounds: int,
-                   pids: tuple[int, int]) -> list[list[str]]:
+async def _measure(paths: list[Path_], n: int, rounds: int) -> list[list[str]]:
     rows = []
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-        for url in (direct, gateway):  # warm up both paths and their connections
-            await _round(client, url + "/v1/chat/completions", 16, 64, [])
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for p in paths:  # warm up every path and its connections
+            await _round(session, p, 16, 64, [])
         for conc in CONCURRENCY:
-            res: dict[str, list[tuple[float, float]]] = {"direct": [], "gateway": []}
+            res: dict[str, list[tuple[float, float]]] = {p.name: [] for p in paths}
+            cpu = {p.name: 0.0 for p in paths}
             per = max(conc, n // rounds)
-            cpu = {"direct": [0.0, 0.0], "gateway": [0.0, 0.0]}  # (emulator, gateway) CPU s
             for _ in range(rounds):
-                for name, url in (("direct", direct), ("gateway", gateway)):
-                    before = [_cpu_s(p) for p in pids]
-                    await _round(client, url + "/v1/chat/completions", conc, per, res[name])
-                    for i, p in enumerate(pids):
-                        cpu[name][i] += _cpu_s(p) - before[i]
-            d, g = res["direct"], res["gateway"]
-            dt, gt = [x[0] for x in d], [x[0] for x in g]
-            de, ge = [x[1] for x in d], [x[1] for x in g]
-            rows.append([str(conc), str(len(d)),
-                         f"{_pct(dt, .5):.2f}", f"{_pct(gt, .5):.2f}",
-                         f"{_pct(gt, .5) - _pct(dt, .5):+.2f}",
-                         f"{_pct(dt, .99):.2f}", f"{_pct(gt, .99):.2f}",
-                         f"{_pct(gt, .99) - _pct(dt, .99):+.2f}",
-                         f"{statistics.median(ge) * 1000 - statistics.median(de) * 1000:+.2f}",
-                         f"{cpu['gateway'][1] / len(g) * 1000:.2f}",
-                         f"{cpu['direct'][0] / len(d) * 1000:.2f}"])
+                for p in paths:
+                    before = _cpu_s(p.pid)
+                    await _round(session, p, conc, per, res[p.name])
+                    cpu[p.name] += _cpu_s(p.pid) - before
+            d = res["direct"]
+            dt, de = [x[0] for x in d], [x[1] for x in d]
+            for p in paths:
+                r = res[p.name]
+                t, e = [x[0] for x in r], [x[1] for x in r]
+                row = [str(conc), p.name, str(len(r)),
+                       f"{_pct(t, .5):.2f}", f"{_pct(t, .99):.2f}",
+                       f"{_pct(e, .5):.2f}", f"{_pct(e, .99):.2f}"]
+                if p.name == "direct":
+                    row += ["", "", "", "", ""]
+                else:
+                    row += [f"{_pct(t, .5) - _pct(dt, .5):+.2f}",
+                            f"{_pct(t, .99) - _pct(dt, .99):+.2f}",
+                            f"{statistics.median(e) * 1000 - statistics.median(de) * 1000:+.2f}",
+                            f"{_pct(e, .99) - _pct(de, .99):+.2f}",
+                            f"{cpu[p.name] / len(r) * 1000:.2f}"]
+                rows.append(row)
     return rows
+
+
+def _default_litellm() -> str | None:
+    for cand in (os.environ.get("DUETIME_LITELLM"), str(REPO / ".venv-litellm/bin/litellm")):
+        if cand and Path(cand).is_file():
+            return cand
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=600, help="requests per path and "
                     "concurrency (default 600)")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations direct/gateway")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations between the paths")
     ap.add_argument("--speed", type=float, default=20.0, help="emulator speed-up (default 20)")
-    ap.add_argument("--policy", default="sfs", help="gateway policy (default sfs)")
+    ap.add_argument("--policy", default="sfs", help="duetime's policy (default sfs)")
+    ap.add_argument("--litellm", default=_default_litellm(), metavar="CMD",
+                    help="LiteLLM's `litellm` command (default: $DUETIME_LITELLM or "
+                    ".venv-litellm/bin/litellm if present; scripts/litellm_env.sh builds it)")
+    ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM path")
     args = ap.parse_args()
+    litellm = None if args.no_litellm else args.litellm
+    if litellm is None and not args.no_litellm:
+        print("gateway_overhead: no LiteLLM (run scripts/litellm_env.sh, or pass --litellm); "
+              "measuring duetime only", file=sys.stderr)
 
-    emu, direct = _start(["emulate", "--profile", "qwen3-0.6b", "--speed", str(args.speed)])
-    procs = [emu]
+    emu, direct = _start_duetime(["emulate", "--profile", MODEL, "--speed", str(args.speed)])
+    procs: list[subprocess.Popen[str]] = [emu]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             cfg = Path(tmp) / "pool.yaml"
             cfg.write_text(f"policy: {args.policy}\ninstances:\n  - name: emu\n"
-                           f"    model: qwen3-0.6b\n    url: {direct}\n"
-                           f"    profile: qwen3-0.6b\n    speed: {args.speed}\n")
-            gw, gateway = _start(["serve", "--config", str(cfg)])
+                           f"    model: {MODEL}\n    url: {direct}\n"
+                           f"    profile: {MODEL}\n    speed: {args.speed}\n")
+            gw, gateway = _start_duetime(["serve", "--config", str(cfg)])
             procs.append(gw)
-            rows = asyncio.run(_measure(direct, gateway, args.requests, args.rounds,
-                                        (emu.pid, gw.pid)))
+            paths = [Path_("direct", direct, None), Path_("duetime", gateway, gw.pid)]
+            if litellm is not None:
+                lp, lurl = _start_litellm(litellm, direct, Path(tmp))
+                procs.append(lp)
+                paths.append(Path_("litellm", lurl, lp.pid,
+                                   {"authorization": f"Bearer {LITELLM_KEY}"}))
+            rows = asyncio.run(_measure(paths, args.requests, args.rounds))
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
-            p.wait(timeout=30)
-    header = ["conc", "n", "ttft p50 direct", "gateway", "added", "ttft p99 direct",
-              "gateway", "added", "e2e p50 added", "gw cpu/req", "emu cpu/req"]
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    header = ["conc", "path", "n", "ttft p50", "ttft p99", "total p50", "total p99",
+              "+ttft p50", "+ttft p99", "+total p50", "+total p99", "proxy cpu/req"]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(f"gateway overhead, ms (emulator qwen3-0.6b x{args.speed:g}, policy {args.policy}, "
-          f"streamed chat, 8 output tokens)")
+    print(f"gateway overhead, ms (emulator {MODEL} x{args.speed:g}; duetime policy "
+          f"{args.policy}; streamed chat, 8 output tokens)")
     print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
-    note = ("gw cpu/req: the gateway process's CPU per request through it (scrapes and probes "
-            "included); emu cpu/req: the emulator's per direct request.")
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    print(note)
+    print("+x: added over the direct path in the same run; proxy cpu/req: the proxy process's "
+          "CPU per request through it (background scrapes and probes included).")
 
 
 if __name__ == "__main__":

@@ -72,10 +72,10 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _cmd_emulate(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.emulator.serving import setup_logging
+    from duetime.emulator.serving import run, setup_logging
 
     setup_logging(args.log_level)
-    return asyncio.run(_serve(args, error))
+    return run(_serve(args, error))
 
 
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:

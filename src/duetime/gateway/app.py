@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -52,6 +52,7 @@ from duetime.engine.snapshot import Snapshot, SnapshotError
 from duetime.gateway.config import Pool
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.state import Flight, InstanceState
+from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.policy import make_policy
 from duetime.policy.base import RoutingRequest
 
@@ -149,10 +150,9 @@ class Gateway:
             self.trained = Trained(pool.predictor)
         # retry-aware policies read RoutingRequest.quality as the success probability
         self.wants_success = pool.policy in ("laar", "ttca")
-        self.client: httpx.AsyncClient | None = None
-        self.transport: httpx.AsyncHTTPTransport | None = None
-        self._timeouts: dict[str, float] = {}
-        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self.upstream: Upstream | None = None
+        self._urls: dict[tuple[str, str], str] = {}
+        self._headers: dict[str, str] = {"content-type": "application/json"}
         self._bg: list[asyncio.Task[None]] = []
         self._ids = itertools.count(1)
         self._last_request = -math.inf
@@ -166,23 +166,12 @@ class Gateway:
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        if self.client is not None:
+        if self.upstream is not None:
             return
         warm_up()
         t = self.pool.timeouts
-        # Completions go straight to httpx's transport (its connection pool): the client's
-        # layers (auth, redirects, cookies, URL and header merging) cost ~25% of an
-        # upstream call and do nothing here. Scrapes and probes use a plain client.
-        self.transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024,
-                                keepalive_expiry=30.0), retries=0)
-        self._timeouts = {"connect": t.connect_s, "read": t.read_s, "write": t.read_s,
-                          "pool": t.connect_s}
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.read_s,
-                                  pool=t.connect_s),
-            limits=httpx.Limits(max_connections=64, keepalive_expiry=30.0),
-            follow_redirects=False, trust_env=False)
+        self.upstream = Upstream(connect_s=t.connect_s, read_s=t.read_s)
+        await self.upstream.start()
         loop = asyncio.get_running_loop()
         for s in self.instances:
             if self.scrape_snapshots and s.publishes is not False:
@@ -198,10 +187,9 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._bg.clear()
-        if self.client is not None:
-            await self.client.aclose()
-            await self.transport.aclose()
-            self.client = None
+        if self.upstream is not None:
+            await self.upstream.close()
+            self.upstream = None
 
     # -- background: scrapes and health ---------------------------------------------------------
 
@@ -215,16 +203,16 @@ class Gateway:
 
     async def _poll(self, s: InstanceState, path: str) -> None:
         """Poll ``/snapshot`` or ``/metrics`` of one instance until it answers 404."""
-        timeout = httpx.Timeout(max(0.25, 4 * self.pool.state.scrape_interval_s))
-        request = self._http.build_request("GET", s.url + path, timeout=timeout)
+        timeout = max(0.25, 4 * self.pool.state.scrape_interval_s)
+        url = s.url + path
         reported = ""
         while True:
             sent = time.monotonic()
             if s.healthy:
                 try:
-                    r = await self._http.send(request)
+                    r = await self._http.get(url, timeout)
                     received = time.monotonic()
-                    if r.status_code == 404:
+                    if r.status == 404:
                         log.info(f"instance does not serve {path}", extra={"fields": {
                             "instance": s.name}})
                         if path == "/snapshot":
@@ -232,19 +220,19 @@ class Gateway:
                         else:
                             s.serves_metrics = False
                         return
-                    if r.status_code == 200:
+                    if r.status == 200:
                         if path == "/snapshot":
                             clock = r.headers.get("x-duetime-clock")
                             if clock is None:
                                 raise ValueError("no x-duetime-clock header")
-                            s.set_published(Snapshot.from_dict(r.json()), float(clock), sent,
-                                            received)
+                            s.set_published(Snapshot.from_dict(json.loads(r.body)),
+                                            float(clock), sent, received)
                             s.publishes = True
                         else:
-                            s.set_metrics(r.text, received)
+                            s.set_metrics(r.body.decode(errors="replace"), received)
                             s.serves_metrics = True
                         reported = ""
-                except httpx.HTTPError:
+                except UpstreamError:
                     pass  # the health loop deals with unreachable instances
                 except (ValueError, SnapshotError) as e:
                     if str(e) != reported:  # once per distinct problem, not every poll
@@ -260,14 +248,11 @@ class Gateway:
 
     async def _probe(self, s: InstanceState) -> None:
         try:
-            r = await self._http.get(s.url + "/health",
-                                     timeout=httpx.Timeout(self.pool.health.timeout_s))
-            ok = r.status_code == 200
-            why = f"/health answered {r.status_code}"
-        except httpx.ConnectError as e:
-            ok, why = False, f"connect error: {e}"
-        except httpx.HTTPError as e:
-            ok, why = False, f"{type(e).__name__}: {e}"
+            r = await self._http.get(s.url + "/health", self.pool.health.timeout_s)
+            ok = r.status == 200
+            why = f"/health answered {r.status}"
+        except UpstreamError as e:
+            ok, why = False, str(e)
         if ok:
             if not s.healthy:
                 s.readmit()
@@ -284,10 +269,10 @@ class Gateway:
                                  return_exceptions=True)
 
     @property
-    def _http(self) -> httpx.AsyncClient:
-        if self.client is None:
+    def _http(self) -> Upstream:
+        if self.upstream is None:
             raise RuntimeError("the gateway is not started")
-        return self.client
+        return self.upstream
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -462,54 +447,43 @@ class Gateway:
     async def _attempt(self, inst: InstanceState, flight: Flight, path: str, payload: bytes,
                        req: CompletionRequest, ctl: _Controls, chat: bool, send: Send,
                        t0: float, rid: str, attempt: int) -> int:
-        transport = self.transport
-        assert transport is not None, "the gateway is not started"
+        upstream = self._http
         st = _Stream()
-        resp: httpx.Response | None = None
+        resp: aiohttp.ClientResponse | None = None
         output_tokens: int | None = None
+        finished = False
         try:
             url = self._urls.get((inst.name, path))
             if url is None:
-                url = self._urls[(inst.name, path)] = httpx.URL(inst.url + path)
-            request = httpx.Request(
-                "POST", url, content=payload,
-                headers=[(b"content-type", b"application/json"),
-                         (b"x-request-id", flight.id.encode())],
-                extensions={"timeout": self._timeouts})
+                url = self._urls[(inst.name, path)] = inst.url + path
+            headers = {**self._headers, "x-request-id": flight.id}
             try:
                 async with asyncio.timeout(self.pool.timeouts.first_token_s):
-                    resp = await transport.handle_async_request(request)
-                    if resp.status_code != 200:
-                        status = resp.status_code
-                        data = b"".join([c async for c in resp.stream])  # type: ignore[union-attr]
+                    resp = await upstream.post_stream(url, payload, headers)
+                    if resp.status != 200:
+                        status = resp.status
+                        data = await read_all(resp)
                         if status >= 500 or status == 429:
                             raise _Failed(f"status_{'5xx' if status >= 500 else '429'}",
                                           f"upstream answered {status}: {_brief(data)}")
                         raise _Passthrough(status, data)
-                    chunks = aiter(resp.stream)  # type: ignore[arg-type]
+                    stream = chunks(resp)
                     buf = b""
                     events: list[bytes] = []
                     while not events:
                         try:
-                            chunk = await anext(chunks)
+                            chunk = await anext(stream)
                         except StopAsyncIteration:
                             raise _Failed("broken", "upstream closed the stream before its "
                                           "first chunk") from None
                         buf += chunk
                         events, buf = split_events(buf)
+            except UpstreamError as e:
+                raise _Failed(e.kind, str(e)) from None
             except TimeoutError:
                 raise _Failed("timeout", f"no first token within "
                               f"{self.pool.timeouts.first_token_s:g} s") from None
-            except httpx.ConnectError as e:
-                raise _Failed("connect", f"connect error: {e or type(e).__name__}") from None
-            except httpx.TimeoutException as e:
-                raise _Failed("timeout", f"{type(e).__name__}: {e}") from None
-            except (httpx.TransportError, httpx.StreamError) as e:
-                raise _Failed("broken", f"{type(e).__name__}: {e}") from None
             t_first = time.monotonic()
-            inst.report_success()
-            inst.first_token(flight, t_first)
-            self._observe_first(inst, flight, t_first, t0, ctl)
             headers = [(b"x-duetime-model", inst.model.encode()),
                        (b"x-duetime-instance", inst.name.encode()),
                        (b"x-duetime-ttft-target-ms", f"{ctl.target_s * 1000:.1f}".encode()),
@@ -524,7 +498,9 @@ class Gateway:
                             "headers": [*SSE_HEADERS, *headers]})
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-                async for out in self._relay(chunks, buf, st, req, flight, collect=False):
+                # the bookkeeping of the first token after it is on its way to the client
+                self._first(inst, flight, t_first, t0, ctl)
+                async for out in self._relay(stream, buf, st, req, flight, collect=False):
                     if out:
                         await send({"type": "http.response.body", "body": out,
                                     "more_body": True})
@@ -532,15 +508,18 @@ class Gateway:
                     st.error or b"upstream stream ended without [DONE]")
                 await send({"type": "http.response.body", "body": tail})
                 if st.done:
-                    await _drain(chunks)
+                    await finish(resp)
+                    finished = True
             else:
+                self._first(inst, flight, t_first, t0, ctl)
                 self._scan(events, st, req, collect=True, flight=flight)
-                async for _ in self._relay(chunks, buf, st, req, flight, collect=True):
+                async for _ in self._relay(stream, buf, st, req, flight, collect=True):
                     pass
                 if not st.done:
                     raise _Failed("broken", (st.error or b"upstream stream ended early")
                                   .decode(errors="replace"))
-                await _drain(chunks)
+                await finish(resp)
+                finished = True
                 body = _reassemble(st, chat, inst.model)
                 await send_json(send, 200, body, headers)
             output_tokens = (st.usage or {}).get("completion_tokens", st.tokens)
@@ -548,8 +527,8 @@ class Gateway:
                       None if st.done else (st.error or b"stream ended early"))
             return 200
         finally:
-            if resp is not None:
-                await resp.aclose()
+            if resp is not None and not finished:
+                resp.close()  # an unfinished stream: closing the connection aborts it upstream
             inst.complete(flight, time.monotonic(), output_tokens=output_tokens)
 
     async def _relay(self, chunks: AsyncIterator[bytes], buf: bytes, st: _Stream,
@@ -561,8 +540,8 @@ class Gateway:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 return
-            except httpx.HTTPError as e:
-                st.error = f"upstream stream broke: {type(e).__name__}: {e}".encode()
+            except UpstreamError as e:
+                st.error = f"upstream stream broke: {e}".encode()
                 return
             buf += chunk
             events, buf = split_events(buf)
@@ -600,8 +579,12 @@ class Gateway:
         flight.tokens = st.tokens
         return b"".join(out)
 
-    def _observe_first(self, inst: InstanceState, flight: Flight, t_first: float, t0: float,
-                       ctl: _Controls) -> None:
+    def _first(self, inst: InstanceState, flight: Flight, t_first: float, t0: float,
+               ctl: _Controls) -> None:
+        """An attempt got its first token: the instance is healthy, the shadow replica learns
+        when the request's prefill ended, and the metrics record TTFT and the forecast error."""
+        inst.report_success()
+        inst.first_token(flight, t_first)
         m = self.metrics
         ttft = t_first - t0
         m.ttft.labels(inst.name).observe(ttft)
@@ -631,7 +614,7 @@ class Gateway:
 
     # -- the app ----------------------------------------------------------------------------------
 
-    def app(self) -> Starlette:
+    def app(self) -> _Dispatch:
         gw = self
 
         async def models(request: Request) -> Response:
@@ -664,9 +647,10 @@ class Gateway:
             finally:
                 await gw.close()
 
+        chat, completions = _Endpoint(gw, chat=True), _Endpoint(gw, chat=False)
         routes = [
-            Route("/v1/chat/completions", _Endpoint(gw, chat=True), methods=["POST"]),
-            Route("/v1/completions", _Endpoint(gw, chat=False), methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -674,7 +658,30 @@ class Gateway:
         ]
         app = Starlette(routes=routes, lifespan=lifespan)
         app.state.gateway = gw
-        return app
+        return _Dispatch(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
+
+
+class _Dispatch:
+    """The completion routes straight to their handlers, everything else through Starlette.
+
+    Why: Starlette's middleware stack wraps every ``send`` of a streamed response in three
+    closures; with a message per token that was ~15% of the gateway's time per request
+    (py-spy on ``benchmarks/gateway_overhead.py``). The handlers answer their own errors, so
+    the stack adds nothing on these two routes. A GET there still gets Starlette's 405.
+    """
+
+    def __init__(self, app: Starlette, fast: dict[str, _Endpoint]) -> None:
+        self.app = app
+        self.fast = fast
+        self.state = app.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.fast.get(scope["path"])
+            if handler is not None:
+                await handler(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Endpoint:
@@ -695,15 +702,6 @@ class _Endpoint:
             return
         guard = Disconnect(send)
         await guard.run(receive, self.gw.serve(scope, raw, self.chat, guard, t0))
-
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    """Read an upstream response to its end (after ``[DONE]`` only the chunked-encoding
-    terminator is left), so its connection goes back to the pool instead of being closed."""
-    with contextlib.suppress(httpx.HTTPError, TimeoutError):
-        async with asyncio.timeout(1.0):
-            async for _ in chunks:
-                pass
 
 
 def _brief(data: bytes, limit: int = 200) -> str:

@@ -58,13 +58,13 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.emulator.serving import setup_logging
+    from duetime.emulator.serving import run, setup_logging
 
     if args.config is not None and args.speed != 1.0:
         raise error("--speed applies to the demo pool only; set emulate.speed per instance in "
                     "the config")
     setup_logging(args.log_level)
-    return asyncio.run(_serve(args, error))
+    return run(_serve(args, error))
 
 
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
