@@ -95,6 +95,10 @@ def test_demo_pool():
     ({"quality": {"tasks": {"chat": {"qwen3-8b": 1.5}}}}, "pool.yaml: quality.tasks:"),
     ({"aliases": ["qwen3-8b"]}, "pool.yaml: aliases: ['qwen3-8b'] are also model names"),
     ({"ttft_target": {"min_ms": 500, "max_ms": 100}}, "pool.yaml: ttft_target: min_ms"),
+    ({"tokenizer": "no/such/tokenizer.json"}, "pool.yaml: tokenizer: "),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                     "profile": "qwen3-8b", "request_overhead_ms": -1}]},
+     "pool.yaml: instances[0].request_overhead_ms: Input should be greater than or equal"),
     ({"instances": [{"name": "x", "model": "qwen3-8b",
                      "emulate": {"fail_kinds": ["gremlins"]}}]},
      "pool.yaml: instances[0].emulate.fail_kinds: must be among"),
@@ -123,3 +127,61 @@ def test_serve_reports_config_errors_on_one_line(tmp_path, capsys):
     assert err.startswith(f"duetime: error: {path}: instances:") and err.count("\n") == 1
     assert main(["serve", "--config", path, "--speed", "2"]) == 2
     assert "--speed applies to the demo pool" in capsys.readouterr().err
+
+
+def test_overhead_and_tokenizer_resolve(tmp_path):
+    """request_overhead_ms reaches the instance (in seconds) and is added to SFS's forecast;
+    a tokenizer.json path is resolved against the config file's folder."""
+    import time
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from duetime.estimate import SfsEstimator
+    from duetime.gateway.metrics import GatewayMetrics
+    from duetime.gateway.state import InstanceState
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    text = GOOD.replace("    profile: qwen3-0.6b\n", "    profile: qwen3-0.6b\n"
+                        "    request_overhead_ms: 12.5\n") + "tokenizer: tokenizer.json\n"
+    pool = load_pool(write(tmp_path, text))
+    assert pool.tokenizer == str(tmp_path / "tokenizer.json")
+    small, big = pool.instances
+    assert small.request_overhead_s == 0.0125 and big.request_overhead_s == 0.0
+    plain = pool_from_dict({"instances": [{"name": "s", "model": "qwen3-0.6b",
+                                           "url": "http://h", "profile": "qwen3-0.6b"}]})
+    now = time.monotonic()
+    with_overhead = InstanceState(small, pool, GatewayMetrics(), now)
+    without = InstanceState(plain.instances[0], plain, GatewayMetrics(), now)
+    est = SfsEstimator()
+    est.ttft(without, 100, now)  # (compiles the forecast on a first run: not timed below)
+    now = time.monotonic()
+    got = est.ttft(with_overhead, 100, now) - est.ttft(without, 100, now)
+    assert got == pytest.approx(0.0125, abs=1e-3)  # (the two snapshots are µs apart)
+
+
+def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from duetime.emulator.protocol import parse_completion
+    from duetime.gateway.app import Gateway
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    gw = Gateway(load_pool(write(tmp_path, GOOD + "tokenizer: tokenizer.json\n")))
+
+    def count(body: dict, chat: bool) -> int:
+        return gw._count_tokens(parse_completion(json.dumps(body).encode(), chat=chat))
+
+    words = "hello world " * 50  # 100 words, 100 tokens; the estimate would say ~30
+    assert count({"prompt": words}, False) == 100
+    assert count({"prompt": [words]}, False) == 100
+    assert count({"prompt": [5, 6, 7]}, False) == 3
+    assert count({"messages": [{"role": "user", "content": words},
+                               {"role": "user", "content": [{"type": "text",
+                                                             "text": "hello"}]}]}, True) \
+        == 3 + (4 + 100) + (4 + 1)

@@ -67,6 +67,7 @@ class View:
 
         self.num_running = 0
         self.num_waiting = waiting
+        self.request_overhead_s = 0.0
         self._snap = Snapshot(CFG, Paper4(b0=0.01, b1=1e-5, b2=0.0, b3=0.0), waiting=[
             ResidentRequest(f"w{i}", 4000, 0, 0, 10) for i in range(waiting)])
 

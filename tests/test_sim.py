@@ -101,6 +101,7 @@ class View:
         self.kv_usage = 0.0
         self._snap = snap
         self.stats = stats or InstanceStats()
+        self.request_overhead_s = 0.0
 
     def snapshot(self):
         return self._snap

@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_emulator_commands(sub, command, CliError)
     from duetime.gateway.cli import add_commands as add_gateway_commands
     add_gateway_commands(sub, command, CliError)
+    from duetime.calibrate.cli import add_commands as add_calibrate_commands
+    add_calibrate_commands(sub, command, CliError)
     return parser
 
 

@@ -57,6 +57,13 @@ class InstanceView(Protocol):
     @property
     def stats(self) -> InstanceStats: ...
 
+    @property
+    def request_overhead_s(self) -> float:
+        """Time a request spends outside the engine loop before its first token reaches the
+        router (HTTP, tokenisation, detokenisation): added to the engine's forecast. 0 in
+        simulation; calibrated per instance for a real server (``duetime calibrate``)."""
+        ...
+
     def snapshot(self) -> Snapshot: ...
 
 

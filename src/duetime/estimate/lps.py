@@ -40,7 +40,7 @@ class LpsEstimator:
         step_k = model.duration(k, 0, 0, 0, k * c, k * (c + 1), k * (c + 1) ** 2)
         prefill = model.duration(0, p, p * p, p * (p + 1) // 2, 0, p, p * p)
         mu = 1.0 / (o * step_k / k + prefill - model.intercept)
-        service = prefill
+        service = prefill + view.request_overhead_s
         alpha = s.arrival_rate
         if alpha <= 0:
             return service

@@ -15,4 +15,4 @@ class SfsEstimator:
             est = forecast(snap, prompt_tokens).estimate_s
         except ForecastError:
             return float("inf")  # the probe cannot be served there (too long, KV too small)
-        return est + (snap.time - now)
+        return est + (snap.time - now) + view.request_overhead_s

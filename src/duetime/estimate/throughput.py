@@ -39,4 +39,5 @@ class ThroughputEstimator:
         for tab in (snap.running_table, snap.waiting_table):
             todo = tab.prompt + tab.output - tab.computed
             queued += int(np.where(todo > 1, todo, 0).sum())  # decoders have 1 left: not prefill
-        return (queued + prompt_tokens) / prefill_rate + decode_step_s + max(0.0, snap.time - now)
+        return ((queued + prompt_tokens) / prefill_rate + decode_step_s
+                + max(0.0, snap.time - now) + view.request_overhead_s)

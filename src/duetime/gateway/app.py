@@ -148,6 +148,10 @@ class Gateway:
         if pool.predictor is not None:
             from duetime.predict.quality_source import Trained
             self.trained = Trained(pool.predictor)
+        self.tokenizer = None
+        if pool.tokenizer is not None:
+            from duetime.predict.tokens import HFTokenizer
+            self.tokenizer = HFTokenizer(pool.tokenizer)
         # retry-aware policies read RoutingRequest.quality as the success probability
         self.wants_success = pool.policy in ("laar", "ttca")
         self.upstream: Upstream | None = None
@@ -330,6 +334,8 @@ class Gateway:
         self._last_request = t0
         try:
             req = parse_completion(raw, chat=chat)
+            if self.tokenizer is not None:
+                req.prompt_tokens = self._count_tokens(req)
             ctl = self._controls(scope, req.prompt_tokens)
             insts = self._pool_for(req.model)
             status = await self._route(req, ctl, insts, chat, send, t0)
@@ -353,23 +359,26 @@ class Gateway:
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
 
+    def _count_tokens(self, req: CompletionRequest) -> int:
+        """Prompt tokens with the pool's tokenizer: a completion's prompt exactly (token ids
+        are counted as given); chat as 3 + Σ (4 + tokens(content)), the chat template's
+        per-message markers estimated as in the emulator."""
+        tok = self.tokenizer
+        assert tok is not None
+        if req.chat:
+            return 3 + sum(4 + (tok.count(t) if t else 0) for t in _texts(req))
+        prompt = req.body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return tok.count(prompt) if isinstance(prompt, str) else req.prompt_tokens
+
     def _predict(self, req: CompletionRequest, ctl: _Controls,
                  table: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
         """Per model: predicted quality (or success probability, for retry-aware policies)
         and median output length, from the trained predictors."""
         from duetime.predict.quality_source import Query
 
-        body = req.body
-        if req.chat:
-            parts = [m.get("content") for m in body.get("messages") or []
-                     if isinstance(m, dict)]
-            text = "\n".join(p if isinstance(p, str) else " ".join(
-                x.get("text", "") for x in p if isinstance(x, dict)) for p in parts
-                if isinstance(p, str | list))
-        else:
-            prompt = body.get("prompt")
-            text = prompt if isinstance(prompt, str) else " ".join(
-                x for x in prompt or [] if isinstance(x, str))
+        text = "\n".join(_texts(req))
         models = self.pool.models
         preds = self.trained.predict(Query(text, None if ctl.task == "*" else ctl.task,
                                            tokens=req.prompt_tokens), models)
@@ -702,6 +711,23 @@ class _Endpoint:
             return
         guard = Disconnect(send)
         await guard.run(receive, self.gw.serve(scope, raw, self.chat, guard, t0))
+
+
+def _texts(req: CompletionRequest) -> list[str]:
+    """The prompt's text: one string per chat message (text parts joined), or the prompt."""
+    body = req.body
+    if req.chat:
+        out = []
+        for m in body.get("messages") or []:
+            c = m.get("content") if isinstance(m, dict) else None
+            if isinstance(c, list):
+                c = " ".join(x.get("text", "") for x in c if isinstance(x, dict)
+                             and isinstance(x.get("text", ""), str))
+            out.append(c if isinstance(c, str) else "")
+        return out
+    prompt = body.get("prompt")
+    return [prompt if isinstance(prompt, str) else " ".join(
+        x for x in prompt or [] if isinstance(x, str))]
 
 
 def _brief(data: bytes, limit: int = 200) -> str:

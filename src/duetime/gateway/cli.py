@@ -91,3 +91,4 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    "second Ctrl-C forces)")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default info)")
+

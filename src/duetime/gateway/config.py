@@ -64,6 +64,9 @@ class InstanceSpec(_Strict):
     speed: float = Field(1.0, gt=0)
     price_usd_per_mtok: Prices | None = None
     snapshot: Literal["auto", "off"] = "auto"
+    # time outside the engine loop until the first token is back (HTTP, tokenisation):
+    # added to the engine's forecast; `duetime calibrate` measures it
+    request_overhead_ms: float = Field(0.0, ge=0, le=60_000)
 
     @field_validator("url")
     @classmethod
@@ -135,6 +138,7 @@ class PoolSpec(_Strict):
     retries: int = Field(2, ge=0, le=10)
     default_output_tokens: int = Field(256, ge=1)
     aliases: list[str] = [ALIAS_DEFAULT]
+    tokenizer: str | None = None  # a tokenizer.json: exact prompt token counts
     quality: QualitySpec = QualitySpec()
     ttft_target: TargetSpec = TargetSpec()
     state: StateSpec = StateSpec()
@@ -164,6 +168,7 @@ class Instance:
     price_prompt: float
     price_output: float
     snapshot: str
+    request_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +192,7 @@ class Pool:
     timeouts: TimeoutSpec
     health: HealthSpec
     predictor: str | None = None  # trained predictors (quality, lengths, success), if any
+    tokenizer: str | None = None  # a tokenizer.json for prompt token counts, if any
 
     @property
     def models(self) -> list[str]:
@@ -287,7 +293,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
             raise fail(f"{w}.price_usd_per_mtok", f"missing (and model {s.model!r} is not in "
                        "the quality workload); give {prompt: USD/Mtok, output: USD/Mtok}")
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url, s.emulate,
-                              profile, scaled_model(model, speed), config, pp, po, s.snapshot))
+                              profile, scaled_model(model, speed), config, pp, po, s.snapshot,
+                              s.request_overhead_ms / 1000.0))
 
     models = list(dict.fromkeys(i.model for i in insts))
     clash = sorted(set(spec.aliases) & set(models))
@@ -323,6 +330,18 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         if unknown:
             raise fail("quality.predictor", f"the predictor knows no model(s) {unknown} (it was "
                        f"trained for {', '.join(trained.predictor.models)})")
+    tokenizer = None
+    if spec.tokenizer is not None:
+        from duetime.predict.tokens import HFTokenizer
+        base = Path(source).parent if Path(source).is_file() else Path.cwd()
+        tokenizer = str(Path(spec.tokenizer) if Path(spec.tokenizer).is_absolute()
+                        else base / spec.tokenizer)
+        if not Path(tokenizer).is_file():
+            raise fail("tokenizer", f"{tokenizer}: no such file")
+        try:
+            HFTokenizer(tokenizer)
+        except ValueError as e:
+            raise fail("tokenizer", str(e)) from None
     t = spec.ttft_target
     if t.min_ms > t.max_ms:
         raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
@@ -331,7 +350,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     return Pool(source, tuple(insts), spec.policy, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
-                predictor)
+                predictor, tokenizer)
 
 
 def load_pool(path: str | Path) -> Pool:

@@ -131,6 +131,10 @@ class InstanceState:
         return len(self.snapshot().waiting_table)
 
     @property
+    def request_overhead_s(self) -> float:
+        return self.spec.request_overhead_s
+
+    @property
     def kv_usage(self) -> float:
         now = time.monotonic()
         if self._metrics_fresh(now):

@@ -54,6 +54,8 @@ class SimInstance:
     def kv_usage(self) -> float:
         return 1.0 - self.engine.free_blocks / self.spec.config.num_gpu_blocks
 
+    request_overhead_s = 0.0  # the simulator's requests reach the engine at once
+
     def snapshot(self) -> Snapshot:
         key = (self.engine.steps, len(self.engine._ids), self.engine.time)
         if key != self._snap_key:

@@ -1,0 +1,248 @@
+"""Calibrate an instance's batch-time model against the running server (``duetime calibrate``).
+
+The built-in profiles describe Qwen3 on H100 (the SFS paper's coefficients). Any other model or
+machine needs its own: this module measures one over HTTP, with nothing but the OpenAI API, and
+fits the SFS paper's four-coefficient model (``paper4``, eq. 11) plus a per-request overhead.
+
+Two kinds of probes, sent to an otherwise idle server:
+
+* **prefill**: one request at a time, a prompt of P random token ids (distinct per probe, so no
+  prefix-cache hit), ``max_tokens`` 1. Its time to first token is the overhead ``o`` (HTTP,
+  tokenisation, detokenisation, outside the engine loop) plus its prefill steps: with a token
+  budget B a lone prompt is cut into chunks of at most B, and each chunk is one step
+  ``b0 + b1·chunk + b3·(chunk·done + chunk(chunk+1)/2)``. Prompts longer than B separate ``b0``
+  from ``o``.
+* **decode**: n requests at once (n up to ``max_num_seqs``), short prompts, ``ignore_eos``. Once
+  all n stream, the gap between two chunks of one stream is one step with n decoders:
+  ``b0 + b1·n + b2·Σ context``.
+
+All rows are fitted together by non-negative least squares on relative error (scikit-learn's
+``LinearRegression(positive=True)``, weighted by 1/observed). The result is the instance entry's
+``batch_time``, ``config`` and ``request_overhead_ms`` for a pool YAML (docs/gateway.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+from duetime.engine.batch_time import Paper4
+from duetime.engine.config import SchedulerConfig
+
+# A text whose tokenisation gives the probes' token ids: any model's tokenizer splits it into
+# ordinary tokens (no special ids, nothing the server rejects).
+_SEED_TEXT = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "
+              "quiet harbours under grey northern skies and merchants count silver coins "
+              "beside wooden crates of apples pears and plums ")
+
+
+class CalibrationError(RuntimeError):
+    """The server could not be calibrated (unreachable, errors, too few samples)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    kind: str                 # "prefill" or "decode"
+    x: tuple[float, ...]      # (steps, tokens, decode context, prefill attention, overhead)
+    observed_s: float
+    what: str                 # a label: "P=512" or "n=4"
+
+
+@dataclass
+class Calibration:
+    """The fitted model, its scheduler config and how well it fits its own samples."""
+
+    model: Paper4
+    config: SchedulerConfig
+    request_overhead_s: float
+    samples: list[Sample] = field(default_factory=list)
+
+    def fitted(self, s: Sample) -> float:
+        m = self.model
+        coef = (m.b0, m.b1, m.b2, m.b3, self.request_overhead_s)
+        return float(np.dot(s.x, coef))
+
+    def errors(self, kind: str) -> list[float]:
+        """Relative errors (fitted / observed - 1) of one kind of sample."""
+        return [self.fitted(s) / s.observed_s - 1.0 for s in self.samples if s.kind == kind]
+
+    def instance_entry(self) -> dict[str, Any]:
+        """The keys of a pool YAML instance entry that this calibration supplies."""
+        return {"batch_time": self.model.to_dict(),
+                "config": self.config.to_dict(),
+                "request_overhead_ms": round(self.request_overhead_s * 1000, 3)}
+
+
+def prefill_row(prompt: int, budget: int) -> tuple[float, ...]:
+    """Features of a lone prompt's prefill: (steps, tokens, 0, Σ attention, 1)."""
+    steps = attn = done = 0
+    while done < prompt:
+        chunk = min(budget, prompt - done)
+        attn += chunk * done + chunk * (chunk + 1) // 2
+        done += chunk
+        steps += 1
+    return (float(steps), float(prompt), 0.0, float(attn), 1.0)
+
+
+def decode_row(n: int, context: float) -> tuple[float, ...]:
+    """Features of one decode step of n requests with Σ context tokens."""
+    return (1.0, float(n), float(context), 0.0, 0.0)
+
+
+def fit(samples: list[Sample], config: SchedulerConfig) -> Calibration:
+    """Non-negative least squares on relative error over all samples."""
+    from sklearn.linear_model import LinearRegression
+
+    if len({s.kind for s in samples}) < 2 or len(samples) < 6:
+        raise CalibrationError(f"too few samples to fit ({len(samples)}): need prefill and "
+                               "decode probes")
+    x = np.array([s.x for s in samples], dtype=float)
+    y = np.array([s.observed_s for s in samples], dtype=float)
+    scale = x.max(axis=0)
+    scale[scale == 0] = 1.0
+    reg = LinearRegression(positive=True, fit_intercept=False)
+    reg.fit(x / scale, y, sample_weight=1.0 / y**2)
+    b0, b1, b2, b3, o = (reg.coef_ / scale).tolist()
+    return Calibration(Paper4(b0=b0, b1=b1, b2=b2, b3=b3), config, o, samples)
+
+
+class _Prober:
+    def __init__(self, url: str, model: str, session: aiohttp.ClientSession, seed: int) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.session = session
+        self.rng = random.Random(seed)
+        self.ids: list[int] = []
+
+    async def token_ids(self) -> None:
+        """Token ids to build prompts from, from the server's own tokenizer (``/tokenize``)."""
+        async with self.session.post(f"{self.url}/tokenize",
+                                     json={"model": self.model, "prompt": _SEED_TEXT}) as r:
+            if r.status != 200:
+                raise CalibrationError(f"{self.url}/tokenize answered {r.status}: "
+                                       f"{(await r.text())[:200]}")
+            body = await r.json()
+        ids = sorted(set(body.get("tokens") or []))
+        if not ids:
+            raise CalibrationError(f"{self.url}/tokenize gave no token ids")
+        self.ids = ids
+
+    def prompt(self, n: int) -> list[int]:
+        return [self.rng.choice(self.ids) for _ in range(n)]
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+        """Send one streamed completion; (sent at, arrival times of its tokens, prompt tokens
+        the server counted)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        arrivals: list[float] = []
+        counted = len(prompt)
+        t0 = time.perf_counter()
+        async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise CalibrationError(f"{self.url}/v1/completions answered {r.status}: "
+                                       f"{(await r.text())[:300]}")
+            buf = b""
+            async for chunk in r.content.iter_any():
+                now = time.perf_counter()
+                buf += chunk
+                *events, buf = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+                for ev in events:
+                    data = ev.removeprefix(b"data: ").strip()
+                    if not data or data == b"[DONE]":
+                        continue
+                    d = json.loads(data)
+                    if d.get("choices"):
+                        if any(c.get("text") is not None for c in d["choices"]):
+                            arrivals.append(now)
+                    elif d.get("usage"):
+                        counted = int(d["usage"].get("prompt_tokens", counted))
+        return t0, arrivals, counted
+
+
+def default_prompt_lengths(config: SchedulerConfig) -> list[int]:
+    """Lone-prefill probe lengths: small to the token budget, then one to three chunks."""
+    b = config.max_num_batched_tokens
+    top = config.max_model_len - 8
+    grid = {16, 64, b // 4, b // 2, (3 * b) // 4, b, (3 * b) // 2, 2 * b, 3 * b}
+    return sorted(p for p in grid if 8 <= p <= top)
+
+
+def default_batches(config: SchedulerConfig) -> list[int]:
+    s = config.max_num_seqs
+    return sorted({n for n in (1, 2, 4, 8, 16, 32, s) if 1 <= n <= s})
+
+
+async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int = 3,
+                    prompt_lengths: list[int] | None = None, batches: list[int] | None = None,
+                    decode_tokens: int = 32, decode_prompt: int = 16, seed: int = 0,
+                    timeout_s: float = 120.0) -> Calibration:
+    """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit."""
+    lengths = prompt_lengths or default_prompt_lengths(config)
+    ns = batches or default_batches(config)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    samples: list[Sample] = []
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            p = _Prober(url, model, session, seed)
+            await p.token_ids()
+            await p.stream(p.prompt(16), 4)  # warm-up
+            for _ in range(reps):
+                for n in lengths:
+                    t0, arr, counted = await p.stream(p.prompt(n), 1)
+                    if not arr:
+                        raise CalibrationError(f"no token came back for a {n}-token prompt")
+                    samples.append(Sample("prefill", prefill_row(counted, config.
+                                                                 max_num_batched_tokens),
+                                          arr[0] - t0, f"P={counted}"))
+            for _ in range(reps):
+                for n in ns:
+                    runs = await asyncio.gather(*(p.stream(p.prompt(decode_prompt),
+                                                           decode_tokens) for _ in range(n)))
+                    samples.extend(_decode_samples(runs, n))
+    except aiohttp.ClientError as e:
+        raise CalibrationError(f"{url}: {type(e).__name__}: {e}") from None
+    except TimeoutError:
+        raise CalibrationError(f"{url}: no answer within {timeout_s:g} s") from None
+    return fit(samples, config)
+
+
+def _decode_samples(runs: list[tuple[float, list[float], int]], n: int) -> list[Sample]:
+    """One sample per stream: the median gap while all n streams decode together."""
+    start = max(arr[0] for _, arr, _ in runs if arr)
+    end = min(arr[-1] for _, arr, _ in runs if arr)
+    out = []
+    for _, arr, prompt in runs:
+        idx = [k for k in range(1, len(arr)) if arr[k - 1] >= start and arr[k] <= end]
+        if len(idx) < 3:
+            continue
+        gap = statistics.median(arr[k] - arr[k - 1] for k in idx)
+        mid = idx[len(idx) // 2]
+        context = n * (prompt + mid)  # tokens computed before that step, per decoder
+        out.append(Sample("decode", decode_row(n, context), gap, f"n={n}"))
+    return out
+
+
+async def cache_facts(url: str, timeout_s: float = 10.0) -> dict[str, int]:
+    """``block_size`` and ``num_gpu_blocks`` from vLLM's ``vllm:cache_config_info`` metric."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
+            s.get(url.rstrip("/") + "/metrics") as r:
+        text = await r.text() if r.status == 200 else ""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            for key in ("block_size", "num_gpu_blocks"):
+                m = re.search(rf'\b{key}="(\d+)"', line)
+                if m:
+                    out[key] = int(m.group(1))
+    return out

@@ -1,0 +1,94 @@
+"""`duetime calibrate`: the probes' features, and recovering a known batch-time model from an
+emulated instance over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+
+import pytest
+
+from duetime.calibrate import (
+    Calibration,
+    CalibrationError,
+    Sample,
+    calibrate,
+    decode_row,
+    fit,
+    prefill_row,
+)
+from duetime.cli import main
+from duetime.emulator import AppServer, Emulator, create_app
+from duetime.engine.batch_time import Paper4
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.request import Request
+from duetime.engine.scheduler import ReferenceEngine
+
+CFG = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048,
+                      block_size=16, num_gpu_blocks=4096, long_prefill_token_threshold=0)
+TRUE = Paper4(b0=0.008, b1=6e-5, b2=2e-7, b3=4e-8)
+
+
+@pytest.mark.parametrize("prompt", [1, 100, 512, 513, 1300])
+def test_prefill_row_matches_the_engine(prompt: int) -> None:
+    """The lone-prefill features give the reference engine's time to first token."""
+    eng = ReferenceEngine(CFG, TRUE)
+    req = Request("r", prompt, 4)
+    eng.add(req)
+    while req.first_token is None:
+        eng.step()
+    cal = Calibration(TRUE, CFG, 0.0)
+    got = cal.fitted(Sample("prefill", prefill_row(prompt, 512), 1.0, ""))
+    assert got == pytest.approx(req.first_token, rel=1e-12)
+
+
+def test_fit_recovers_exact_samples() -> None:
+    cal = Calibration(TRUE, CFG, 0.003)
+    rows = [prefill_row(p, 512) for p in (16, 128, 512, 800, 1500)]
+    rows += [decode_row(n, n * c) for n in (1, 2, 4, 8) for c in (20, 300)]
+    samples = [Sample("prefill" if r[4] else "decode", r, 0.0, "") for r in rows]
+    samples = [Sample(s.kind, s.x, cal.fitted(s), "") for s in samples]
+    got = fit(samples, CFG)
+    assert got.model.b0 == pytest.approx(TRUE.b0, rel=1e-3)
+    assert got.model.b1 == pytest.approx(TRUE.b1, rel=1e-3)
+    assert got.model.b3 == pytest.approx(TRUE.b3, rel=1e-3)
+    assert got.request_overhead_s == pytest.approx(0.003, rel=1e-3)
+
+
+def test_fit_needs_both_kinds() -> None:
+    with pytest.raises(CalibrationError, match="too few samples"):
+        fit([Sample("prefill", prefill_row(p, 512), 0.01, "") for p in range(1, 10)], CFG)
+
+
+def test_calibrate_an_emulated_instance() -> None:
+    """Over HTTP against an emulator that runs a known model: the fit is close to it."""
+
+    async def go() -> Calibration:
+        emu = Emulator(TRUE, CFG, model_name="m")
+        srv = await AppServer(create_app(emu)).start()
+        try:
+            return await calibrate(srv.url, "m", CFG, reps=2)
+        finally:
+            await srv.stop()
+            await emu.close()
+
+    cal = asyncio.run(go())
+    assert cal.model.b0 == pytest.approx(TRUE.b0, rel=0.3)
+    assert cal.model.b1 == pytest.approx(TRUE.b1, rel=0.3)
+    assert cal.model.b3 == pytest.approx(TRUE.b3, rel=0.5)
+    assert 0.0 <= cal.request_overhead_s < 0.02
+    for kind in ("prefill", "decode"):
+        assert statistics.median(abs(e) for e in cal.errors(kind)) < 0.1
+    entry = cal.instance_entry()
+    assert entry["batch_time"]["model"] == "paper4" and entry["config"]["max_num_seqs"] == 8
+
+
+def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "m", "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+            "--max-model-len", "2048"]
+    assert main(["calibrate", "ftp://x", *args]) == 2
+    assert "must be an http(s) URL" in capsys.readouterr().err
+    assert main(["calibrate", "http://127.0.0.1:9", *args, "--block-size", "16",
+                 "--num-gpu-blocks", "10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("duetime: error: http://127.0.0.1:9") and err.count("\n") == 1
