@@ -27,7 +27,6 @@ import asyncio
 import json
 import random
 import re
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +42,9 @@ from duetime.engine.config import SchedulerConfig
 _SEED_TEXT = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "
               "quiet harbours under grey northern skies and merchants count silver coins "
               "beside wooden crates of apples pears and plums ")
+
+
+Arrival = tuple[float, int]  # (arrival time, output tokens so far)
 
 
 class CalibrationError(RuntimeError):
@@ -102,6 +104,7 @@ def fit(samples: list[Sample], config: SchedulerConfig) -> Calibration:
     """Non-negative least squares on relative error over all samples."""
     from sklearn.linear_model import LinearRegression
 
+    samples = [s for s in samples if s.observed_s > 0]
     if len({s.kind for s in samples}) < 2 or len(samples) < 6:
         raise CalibrationError(f"too few samples to fit ({len(samples)}): need prefill and "
                                "decode probes")
@@ -139,13 +142,15 @@ class _Prober:
     def prompt(self, n: int) -> list[int]:
         return [self.rng.choice(self.ids) for _ in range(n)]
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-        """Send one streamed completion; (sent at, arrival times of its tokens, prompt tokens
-        the server counted)."""
+    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[Arrival], int]:
+        """Send one streamed completion; (sent at, its chunks' arrivals, prompt tokens the
+        server counted). vLLM may pack several tokens into one chunk when its HTTP side falls
+        behind: with ``continuous_usage_stats`` every chunk says how many tokens came so far
+        (a server that ignores the option: one token per chunk)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        arrivals: list[float] = []
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        arrivals: list[Arrival] = []
         counted = len(prompt)
         t0 = time.perf_counter()
         async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
@@ -162,11 +167,15 @@ class _Prober:
                     if not data or data == b"[DONE]":
                         continue
                     d = json.loads(data)
+                    usage = d.get("usage") or {}
                     if d.get("choices"):
                         if any(c.get("text") is not None for c in d["choices"]):
-                            arrivals.append(now)
-                    elif d.get("usage"):
-                        counted = int(d["usage"].get("prompt_tokens", counted))
+                            so_far = usage.get("completion_tokens")
+                            n = int(so_far) if so_far else (arrivals[-1][1] + 1 if arrivals
+                                                            else 1)
+                            arrivals.append((now, n))
+                    elif usage:
+                        counted = int(usage.get("prompt_tokens", counted))
         return t0, arrivals, counted
 
 
@@ -204,7 +213,7 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
                         raise CalibrationError(f"no token came back for a {n}-token prompt")
                     samples.append(Sample("prefill", prefill_row(counted, config.
                                                                  max_num_batched_tokens),
-                                          arr[0] - t0, f"P={counted}"))
+                                          arr[0][0] - t0, f"P={counted}"))
             for _ in range(reps):
                 for n in ns:
                     runs = await asyncio.gather(*(p.stream(p.prompt(decode_prompt),
@@ -217,19 +226,24 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
     return fit(samples, config)
 
 
-def _decode_samples(runs: list[tuple[float, list[float], int]], n: int) -> list[Sample]:
-    """One sample per stream: the median gap while all n streams decode together."""
-    start = max(arr[0] for _, arr, _ in runs if arr)
-    end = min(arr[-1] for _, arr, _ in runs if arr)
+def _decode_samples(runs: list[tuple[float, list[Arrival], int]], n: int) -> list[Sample]:
+    """One sample per stream: its time per token while all n streams decode together (from
+    the last stream's first token to the first stream's last one)."""
+    if any(not arr for _, arr, _ in runs):
+        return []
+    start = max(arr[0][0] for _, arr, _ in runs)
+    end = min(arr[-1][0] for _, arr, _ in runs)
     out = []
     for _, arr, prompt in runs:
-        idx = [k for k in range(1, len(arr)) if arr[k - 1] >= start and arr[k] <= end]
-        if len(idx) < 3:
+        inside = [(t, k) for t, k in arr if start <= t <= end]
+        if len(inside) < 2 or inside[-1][1] - inside[0][1] < 3:
             continue
-        gap = statistics.median(arr[k] - arr[k - 1] for k in idx)
-        mid = idx[len(idx) // 2]
-        context = n * (prompt + mid)  # tokens computed before that step, per decoder
-        out.append(Sample("decode", decode_row(n, context), gap, f"n={n}"))
+        (t_a, k_a), (t_b, k_b) = inside[0], inside[-1]
+        step = (t_b - t_a) / (k_b - k_a)
+        if step <= 0:
+            continue
+        context = n * (prompt + (k_a + k_b) // 2)  # tokens computed before a middle step
+        out.append(Sample("decode", decode_row(n, context), step, f"n={n}"))
     return out
 
 

@@ -398,7 +398,11 @@ class Gateway:
                      else pool.default_output_tokens)
         body = dict(req.body)
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        # usage is always asked for upstream (the gateway counts tokens with it); the client's
+        # other stream options (vLLM's continuous_usage_stats) go along
+        opts = body.get("stream_options")
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
+                                  "include_usage": True}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         quality = self.quality[ctl.task]
         lengths: dict[str, float] = {}
@@ -601,6 +605,7 @@ class Gateway:
         if flight.forecast is not None and math.isfinite(flight.forecast):
             observed = t_first - flight.dispatched
             m.forecast_error.labels(inst.name).observe(observed - flight.forecast)
+            m.forecast_error_sum.labels(inst.name).inc(observed - flight.forecast)
             if flight.forecast > 0:
                 m.forecast_ratio.labels(inst.name).observe(observed / flight.forecast)
 

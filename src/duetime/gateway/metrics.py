@@ -33,6 +33,14 @@ class GatewayMetrics:
             "duetime_forecast_ttft_error_seconds",
             "Observed - forecast TTFT of the serving attempt (seconds).", ["instance"],
             buckets=ERROR_BUCKETS, registry=r)
+        # a histogram with negative buckets has no _sum in the exposition format (OpenMetrics;
+        # prometheus_client leaves it out), so the signed sum is its own gauge: mean bias =
+        # this / duetime_forecast_ttft_error_seconds_count
+        self.forecast_error_sum = Gauge(
+            "duetime_forecast_ttft_error_sum_seconds",
+            "Sum of observed - forecast TTFT over the serving attempts (seconds; divide by "
+            "duetime_forecast_ttft_error_seconds_count for the mean bias).", ["instance"],
+            registry=r)
         self.target = Counter("duetime_ttft_target",
                               "Requests with a first token by TTFT-target outcome "
                               "(on_time / late); on-time rate = on_time / total.",
