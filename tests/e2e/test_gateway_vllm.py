@@ -421,6 +421,32 @@ def test_non_streaming_reassembly_matches_vllm(client, servers, chat, model):
     assert got["usage"]["completion_tokens"] == n
 
 
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_non_streaming_reassembly_keeps_the_stop_reason(client, servers, chat):
+    """A stop string ends the output: finish_reason "stop" and vLLM's stop_reason (the string)
+    come back through the gateway as vLLM gives them directly."""
+    model = "tiny-large"
+    make = chat_body if chat else completion_body
+    base = make("tell me about the key", 12, model=model)
+    with httpx.Client(timeout=TIMEOUT) as d:
+        free = d.post(servers[model].base_url + path_of(base), json=base)
+        assert free.status_code == 200, free.text
+        ch = free.json()["choices"][0]
+        text = ch["message"]["content"] if chat else ch["text"]
+        stop = next((c for c in text[len(text) // 2:] if not c.isspace()), None)
+        if stop is None:
+            pytest.skip(f"no usable stop character in {text!r}")
+        body = {**base, "stop": [stop], "ignore_eos": False}
+        want = d.post(servers[model].base_url + path_of(body), json=body).json()
+    got = client.post(path_of(body), json=body)
+    assert got.status_code == 200, got.text
+    g, w = got.json()["choices"][0], want["choices"][0]
+    assert w["finish_reason"] == "stop" and w["stop_reason"] == stop
+    assert (g["finish_reason"], g["stop_reason"]) == (w["finish_reason"], w["stop_reason"])
+    assert (g["message"]["content"] if chat else g["text"]) == \
+        (w["message"]["content"] if chat else w["text"])
+
+
 # -- 4. metrics ------------------------------------------------------------------------------------------
 
 def test_metrics_count_requests_decisions_ttft_and_forecast_error(client, gateway):

@@ -90,6 +90,9 @@ class _Controls:
     task: str
 
 
+_UNSET: Any = object()
+
+
 @dataclass(slots=True)
 class _Stream:
     """What the gateway learns from an upstream stream."""
@@ -101,6 +104,7 @@ class _Stream:
     # reassembly (non-streaming clients)
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: Any = _UNSET  # vLLM's: the stop string or token id that ended the output
     id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -765,6 +769,8 @@ def _collect(st: _Stream, data: bytes) -> None:
             st.text.append(piece)
         if ch.get("finish_reason"):
             st.finish_reason = ch["finish_reason"]
+        if "stop_reason" in ch and (ch["stop_reason"] is not None or st.stop_reason is _UNSET):
+            st.stop_reason = ch["stop_reason"]
     if d.get("usage"):
         st.usage = d["usage"]
 
@@ -778,6 +784,8 @@ def _reassemble(st: _Stream, chat: bool, model: str) -> bytes:
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": st.finish_reason}
         obj = "text_completion"
+    if st.stop_reason is not _UNSET:  # an upstream that reports it (vLLM) gets it relayed
+        choice["stop_reason"] = st.stop_reason
     body = {"id": st.id, "object": obj, "created": st.created or int(time.time()),
             "model": st.model or model, "choices": [choice], "usage": st.usage}
     return json.dumps(body, separators=(",", ":")).encode()
