@@ -92,3 +92,43 @@ def test_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
                  "--num-gpu-blocks", "10"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("duetime: error: http://127.0.0.1:9") and err.count("\n") == 1
+
+
+def test_cli_writes_an_instance_entry_a_pool_accepts(tmp_path, capsys) -> None:
+    """`duetime calibrate` against `duetime emulate` (a subprocess): its YAML, pasted into an
+    instance entry, is a valid pool config that keeps the fitted values."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from duetime.gateway import pool_from_dict
+
+    proc = subprocess.Popen([sys.executable, "-m", "duetime", "emulate", "--profile", "qwen3-8b",
+                             "--port", "0", "--log-level", "warning"], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on " in line, line
+        url = line.split("listening on ", 1)[1].split()[0]
+        out = tmp_path / "entry.yaml"
+        assert main(["calibrate", url, "--model", "qwen3-8b", "--max-num-batched-tokens", "512",
+                     "--max-num-seqs", "4", "--max-model-len", "4096", "--block-size", "16",
+                     "--num-gpu-blocks", "1000", "--reps", "1", "--out", str(out)]) == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    text = out.read_text()
+    assert text.startswith(f"# duetime calibrate {url} --model qwen3-8b")
+    assert "# fit: prefill " in text
+    entry = yaml.safe_load(text)
+    assert set(entry) == {"batch_time", "config", "request_overhead_ms"}
+    pool = pool_from_dict({"instances": [{"name": "i", "model": "qwen3-8b", "url": url,
+                                          **entry}]})
+    inst = pool.instances[0]
+    assert inst.config.max_num_seqs == 4 and inst.config.num_gpu_blocks == 1000
+    assert inst.batch_time.to_dict() == entry["batch_time"]
+    assert inst.request_overhead_s == pytest.approx(entry["request_overhead_ms"] / 1000)
+    assert "wrote" in capsys.readouterr().err
