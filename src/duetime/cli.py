@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import duetime
+from duetime.argtypes import count
 from duetime.engine import (
     ForecastError,
     Snapshot,
@@ -50,13 +51,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise CliError(f"{message} (see '{self.prog} --help')")
 
-
-def _count(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
 
 
 def _print_json(data: Any, indent: int | None) -> None:
@@ -249,7 +243,7 @@ examples:
 
 
 def _add_indent(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--indent", type=_count, default=None, metavar="N",
+    p.add_argument("--indent", type=count, default=None, metavar="N",
                    help="indent the JSON output by N spaces (default: one line)")
 
 
@@ -305,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "paper-like requests: lower --running).", into=snap_sub)
     p.add_argument("--profile", choices=names, default=None, metavar="NAME",
                    help=f"a built-in profile: {', '.join(names)}")
-    p.add_argument("--running", type=_count, default=200, metavar="N",
+    p.add_argument("--running", type=count, default=200, metavar="N",
                    help="running requests (default 200)")
-    p.add_argument("--waiting", type=_count, default=20, metavar="N",
+    p.add_argument("--waiting", type=count, default=20, metavar="N",
                    help="waiting requests (default 20)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
     _add_indent(p)
@@ -320,9 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                 f"{', '.join(map(str, DEMO_PROBES))} prompt tokens.")
     p.add_argument("--profile", choices=names, action="extend", nargs="+", default=None,
                    metavar="NAME", help=f"only these profiles ({', '.join(names)})")
-    p.add_argument("--running", type=_count, default=200, metavar="N",
+    p.add_argument("--running", type=count, default=200, metavar="N",
                    help="running requests (default 200)")
-    p.add_argument("--waiting", type=_count, default=20, metavar="N",
+    p.add_argument("--waiting", type=count, default=20, metavar="N",
                    help="waiting requests (default 20)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
 

@@ -6,6 +6,8 @@ import argparse
 import asyncio
 from typing import Any
 
+from duetime.argtypes import positive_int
+
 
 def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
     import statistics
@@ -77,27 +79,18 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "read from vLLM's vllm:cache_config_info unless given. Takes seconds to minutes.")
     p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8001")
     p.add_argument("--model", required=True, metavar="NAME", help="the served model name")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, required=True, metavar="N",
+    p.add_argument("--max-num-batched-tokens", type=positive_int, required=True, metavar="N",
                    help="the server's --max-num-batched-tokens")
-    p.add_argument("--max-num-seqs", type=_positive_int, required=True, metavar="N",
+    p.add_argument("--max-num-seqs", type=positive_int, required=True, metavar="N",
                    help="the server's --max-num-seqs")
-    p.add_argument("--max-model-len", type=_positive_int, required=True, metavar="N",
+    p.add_argument("--max-model-len", type=positive_int, required=True, metavar="N",
                    help="the server's --max-model-len")
-    p.add_argument("--block-size", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--block-size", type=positive_int, default=None, metavar="N",
                    help="KV block size (default: from vllm:cache_config_info)")
-    p.add_argument("--num-gpu-blocks", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--num-gpu-blocks", type=positive_int, default=None, metavar="N",
                    help="KV blocks (default: from vllm:cache_config_info)")
-    p.add_argument("--reps", type=_positive_int, default=3, metavar="N",
+    p.add_argument("--reps", type=positive_int, default=3, metavar="N",
                    help="repetitions of each probe (default 3)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt seed (default 0)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the YAML here")
 
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v

@@ -7,39 +7,13 @@ import asyncio
 import logging
 from typing import Any
 
+from duetime.argtypes import port, positive_float, unit_rate
 from duetime.engine.profiles import profile_names
 
 log = logging.getLogger("duetime.emulator")
 
 
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
 
-
-def _rate(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return v
-
-
-def port_type(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {v}")
-    return v
 
 
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
@@ -91,23 +65,23 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "max_tokens. See docs/gateway.md.")
     p.add_argument("--profile", required=True, choices=names, metavar="NAME",
                    help=f"engine profile: {', '.join(names)}")
-    p.add_argument("--port", type=port_type, default=8100, metavar="P",
+    p.add_argument("--port", type=port, default=8100, metavar="P",
                    help="port (default 8100; 0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--speed", type=_positive, default=1.0, metavar="X",
+    p.add_argument("--speed", type=positive_float, default=1.0, metavar="X",
                    help="run X times faster than the profile's batch-time model (default 1)")
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="served model name (default: the profile's name)")
     p.add_argument("--seed", type=int, default=0, metavar="S",
                    help="seed of output lengths and failures (default 0)")
-    p.add_argument("--output-median", type=_positive, default=200.0, metavar="N",
+    p.add_argument("--output-median", type=positive_float, default=200.0, metavar="N",
                    help="median output length in tokens when max_tokens does not cut it "
                    "(log-normal, sigma 0.6; default 200)")
-    p.add_argument("--fail-rate", type=_rate, default=0.0, metavar="F",
+    p.add_argument("--fail-rate", type=unit_rate, default=0.0, metavar="F",
                    help="fraction of requests that fail (default 0)")
     p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",
                    help="failure kinds drawn uniformly: 5xx, timeout, disconnect (default 5xx)")
-    p.add_argument("--drain-timeout", type=_positive, default=None, metavar="S",
+    p.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight requests (default: "
                    "until they finish; a second Ctrl-C forces)")
     p.add_argument("--log-level", default="info",

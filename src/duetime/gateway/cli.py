@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from duetime.emulator.cli import _positive, port_type
+from duetime.argtypes import port, positive_float
 from duetime.policy import POLICY_NAMES
 
 log = logging.getLogger("duetime.gateway")
@@ -80,13 +80,13 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--config", default=None, metavar="POOL.yaml",
                    help="pool config (default: the embedded demo pool)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=port_type, default=8000, metavar="P",
+    p.add_argument("--port", type=port, default=8000, metavar="P",
                    help="port (default 8000; 0 = any free port)")
     p.add_argument("--policy", choices=POLICY_NAMES, default=None, metavar="NAME",
                    help=f"override the config's policy: {', '.join(POLICY_NAMES)}")
-    p.add_argument("--speed", type=_positive, default=1.0, metavar="X",
+    p.add_argument("--speed", type=positive_float, default=1.0, metavar="X",
                    help="demo pool only: emulated instances run X times faster (default 1)")
-    p.add_argument("--drain-timeout", type=_positive, default=30.0, metavar="S",
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight streams (default 30; a "
                    "second Ctrl-C forces)")
     p.add_argument("--log-level", default="info",

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from duetime.argtypes import count, positive_int
+
 Command = Callable[..., argparse.ArgumentParser]
 
 
@@ -25,24 +27,6 @@ def _cli_error(message: str) -> Exception:
     return _ERROR[0](message)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
 
 
 def _read(path: str) -> list[Any]:
@@ -172,7 +156,7 @@ def add_commands(subparsers: Any, command: Command, error: type[Exception]) -> N
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a HuggingFace tokenizer.json for exact token counts (copied into "
                    "DIR); default: the fast estimate")
-    p.add_argument("--rounds", type=_positive, default=300, metavar="N",
+    p.add_argument("--rounds", type=positive_int, default=300, metavar="N",
                    help="at most N boosting rounds per head (early stopping picks fewer; "
                    "default 300)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
@@ -187,7 +171,7 @@ def add_commands(subparsers: Any, command: Command, error: type[Exception]) -> N
     p.add_argument("--json", action="store_true",
                    help='print {"quality": {"mae", "baseline_mae", ...}, "length": {...}, '
                    '"success": {...}} as JSON')
-    p.add_argument("--indent", type=_count, default=None, metavar="N",
+    p.add_argument("--indent", type=count, default=None, metavar="N",
                    help="indent the JSON output by N spaces (default: one line)")
 
     p = command("synth", _cmd_synth, "write a synthetic judged data set",
@@ -198,7 +182,7 @@ def add_commands(subparsers: Any, command: Command, error: type[Exception]) -> N
                 "on the prompt's content and length. For tests and demos, not for claims about "
                 "real models.", into=sub)
     p.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
-    p.add_argument("--n", type=_positive, default=2000, metavar="N",
+    p.add_argument("--n", type=positive_int, default=2000, metavar="N",
                    help="number of prompts (one row per prompt and model; default 2000)")
     p.add_argument("--workload", default="paper", metavar="NAME|FILE",
                    help="workload profile: a built-in name or a YAML file (default paper)")

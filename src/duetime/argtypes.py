@@ -1,0 +1,54 @@
+"""argparse value types shared by the ``duetime`` subcommands: one message style everywhere
+(``must be an integer >= 1, got 'x'``), which argparse prints as a one-line usage error."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int(text: str, lo: int, hi: int | None = None) -> int:
+    what = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if value < lo or (hi is not None and value > hi):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int(text, 1)
+
+
+def count(text: str) -> int:
+    """An integer >= 0."""
+    return _int(text, 0)
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    return _int(text, 0, 65535)
+
+
+def positive_float(text: str) -> float:
+    """A number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def unit_rate(text: str) -> float:
+    """A number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
