@@ -16,13 +16,13 @@ def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
 
     import yaml
 
-    from duetime.calibrate import CalibrationError, cache_facts, calibrate
+    from duetime.calibrate import Calibration, CalibrationError, cache_facts, calibrate
     from duetime.engine.config import SchedulerConfig
 
     if not args.url.startswith(("http://", "https://")):
         raise error(f"URL must be an http(s) URL, got {args.url!r}")
 
-    async def go() -> object:
+    async def go() -> Calibration:
         facts = {} if args.block_size and args.num_gpu_blocks else await cache_facts(args.url)
         block = args.block_size or facts.get("block_size")
         blocks = args.num_gpu_blocks or facts.get("num_gpu_blocks")
@@ -45,14 +45,14 @@ def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
         raise error(f"{args.url}: {e}") from None
 
     def summary(kind: str) -> str:
-        errs = [abs(x) * 100 for x in cal.errors(kind)]  # type: ignore[attr-defined]
+        errs = [abs(x) * 100 for x in cal.errors(kind)]
         return (f"{kind} {len(errs)} samples, |error| median {statistics.median(errs):.1f}% "
                 f"max {max(errs):.1f}%")
 
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = (f"# duetime calibrate {args.url} --model {args.model} ({when})\n"
             f"# fit: {summary('prefill')}; {summary('decode')}\n"
-            + yaml.safe_dump(cal.instance_entry(), sort_keys=False,  # type: ignore[attr-defined]
+            + yaml.safe_dump(cal.instance_entry(), sort_keys=False,
                              default_flow_style=None))
     if args.out:
         try:

@@ -68,7 +68,8 @@ def text_tokens(text: str) -> int:
     return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """A chat message's text: the string, or its text parts joined."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -82,7 +83,7 @@ def chat_tokens(messages: list[dict[str, Any]]) -> int:
     """Estimated prompt tokens of chat messages: 3 + Σ (4 + tokens(content))."""
     total = 3
     for m in messages:
-        text = _content_text(m.get("content"))
+        text = content_text(m.get("content"))
         total += 4 + (math.ceil(len(text) / CHARS_PER_TOKEN) if text else 0)
     return total
 

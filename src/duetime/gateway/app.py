@@ -42,6 +42,7 @@ from duetime.emulator.protocol import (
     Receive,
     Scope,
     Send,
+    content_text,
     header,
     parse_completion,
     read_body,
@@ -159,7 +160,6 @@ class Gateway:
         # retry-aware policies read RoutingRequest.quality as the success probability
         self.wants_success = pool.policy in ("laar", "ttca")
         self.upstream: Upstream | None = None
-        self._urls: dict[tuple[str, str], str] = {}
         self._headers: dict[str, str] = {"content-type": "application/json"}
         self._bg: list[asyncio.Task[None]] = []
         self._ids = itertools.count(1)
@@ -470,13 +470,10 @@ class Gateway:
         output_tokens: int | None = None
         finished = False
         try:
-            url = self._urls.get((inst.name, path))
-            if url is None:
-                url = self._urls[(inst.name, path)] = inst.url + path
             headers = {**self._headers, "x-request-id": flight.id}
             try:
                 async with asyncio.timeout(self.pool.timeouts.first_token_s):
-                    resp = await upstream.post_stream(url, payload, headers)
+                    resp = await upstream.post_stream(inst.url + path, payload, headers)
                     if resp.status != 200:
                         status = resp.status
                         data = await read_all(resp)
@@ -725,15 +722,8 @@ class _Endpoint:
 def _texts(req: CompletionRequest) -> list[str]:
     """The prompt's text: one string per chat message (text parts joined), or the prompt."""
     body = req.body
-    if req.chat:
-        out = []
-        for m in body.get("messages") or []:
-            c = m.get("content") if isinstance(m, dict) else None
-            if isinstance(c, list):
-                c = " ".join(x.get("text", "") for x in c if isinstance(x, dict)
-                             and isinstance(x.get("text", ""), str))
-            out.append(c if isinstance(c, str) else "")
-        return out
+    if req.chat:  # (parse_completion has checked that messages is a list of objects)
+        return [content_text(m.get("content")) for m in body.get("messages") or []]
     prompt = body.get("prompt")
     return [prompt if isinstance(prompt, str) else " ".join(
         x for x in prompt or [] if isinstance(x, str))]
