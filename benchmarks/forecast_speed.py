@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     n = 8 if args.quick else args.snapshots
 
-    sfs6 = load_profile("qwen3-8b").model
+    sfs6 = load_profile("qwen3-8b").batch_time
     paper4 = Paper4(b0=0.004, b1=2.0e-5, b2=5.0e-8, b3=1.0e-9)
     # Compile (or load the cached) kernel before timing anything.
     forecast(paper_like_snapshot(random.Random(0), sfs6, n_running=4, n_waiting=2), 100)

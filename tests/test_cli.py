@@ -218,7 +218,7 @@ def test_profiles_text(capsys):
     for name in profile_names():
         p = load_profile(name)
         assert f"{name}: {p.description}" in out
-        assert p.model.to_dict()["model"] in out
+        assert p.batch_time.to_dict()["model"] in out
         assert f"num_gpu_blocks={p.config.num_gpu_blocks}" in out
 
 
@@ -228,7 +228,7 @@ def test_profiles_json(capsys):
     for p in got:
         profile = load_profile(p["name"])
         assert p["description"] == profile.description
-        assert p["batch_time"] == profile.model.to_dict()
+        assert p["batch_time"] == profile.batch_time.to_dict()
         assert p["config"] == profile.config.to_dict()
 
 
@@ -260,7 +260,7 @@ def test_snapshot_example_with_a_profile(capsys):
                     "--waiting", "3")
     assert (len(data["running"]), len(data["waiting"])) == (5, 3)
     assert data["config"] == profile.config.to_dict()
-    assert data["batch_time"] == profile.model.to_dict()
+    assert data["batch_time"] == profile.batch_time.to_dict()
     Snapshot.from_dict(data)
 
 

@@ -44,13 +44,14 @@ def test_compiled_engine_matches_reference_step_for_step(seed: int) -> None:
             with pytest.raises(EngineStuck):
                 fast.step()
             return
-        got = fast.step()
+        got = fast.step(tokens=True)
         if want is None:
             assert got is None
             continue
         assert (got.index, got.start, got.end) == (want.index, want.start, want.end)
         assert sorted(got.first_token) == sorted(want.first_token)
         assert sorted(got.finished) == sorted(want.finished)
+        assert got.tokens == want.tokens
         assert got.preempted == len(want.preempted)
         assert got.scheduled == len(want.prefill) + len(want.decode)
         assert fast.running_ids() == [r.id for r in ref.running]
@@ -96,8 +97,11 @@ def test_run_until_and_drain() -> None:
     assert eng.time == ref.time
     eng.drain()
     assert eng.idle and eng.time < 1e6
-    stamps = eng.stamps()
-    assert stamps.shape == (2, 2) and not (stamps != stamps).any()
+    hist = eng.history()
+    assert hist.ids == ["a", "b"] and not (hist.first_token != hist.first_token).any()
+    assert not (hist.finish_time != hist.finish_time).any() and hist.finished.all()
+    assert (eng.lookup(["b"]).finish_time == hist.finish_time[1:]).all()
+    assert eng.history(last=1).ids == ["b"]
 
 
 def test_snapshot_shows_predicted_lengths_in_scheduler_order() -> None:

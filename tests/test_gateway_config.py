@@ -45,7 +45,7 @@ def test_a_good_config_resolves(tmp_path):
     assert (big.price_prompt, big.price_output) == (0.3, 0.7)
     # speed 2: the shadow replica's batch-time model is twice as fast
     assert big.batch_time.coefficients["c0"] == pytest.approx(
-        load_profile("qwen3-32b").model.coefficients["c0"] / 2)
+        load_profile("qwen3-32b").batch_time.coefficients["c0"] / 2)
     assert pool.quality["alpaca"] == {"qwen3-0.6b": 0.5349, "qwen3-32b": 0.8885}
     assert pool.default_task == "alpaca"
     assert pool.target_ms(1000) == 235.0 and pool.target_ms(10**6) == 1120.0

@@ -50,7 +50,7 @@ from duetime.engine import (
     replay,
     stop_length,
 )
-from duetime.engine.scheduler import blocks_for
+from duetime.engine.kv import blocks_for
 from snapshots import PAPER4, SFS6, random_snapshot
 
 ENGINE_STEPS = 200       # steps of the reference engine per example

@@ -18,7 +18,6 @@ from duetime.workload.kvlookup import (
     load_pool,
     make_query,
 )
-from duetime.workload.profile import ModelSpec
 
 CFG = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=16, max_model_len=131072,
                       num_gpu_blocks=100_000)
@@ -56,7 +55,7 @@ def test_the_pool_follows_the_papers_findings() -> None:
     # latency ranking: phi3-mini is slower than granite3.1-2b and swallow-8b at all lengths
     for ctx in pool.contexts:
         def prefill(name, n=ctx):
-            return m[name].batch_time.duration(0, n, n * n, n * (n + 1) // 2, 0, n, n * n)
+            return m[name].spec.batch_time.duration(0, n, n * n, n * (n + 1) // 2, 0, n, n * n)
         assert prefill("phi3-mini") > max(prefill("granite3.1-2b"),
                                           prefill("llama3.1-swallow-8b"))
 
@@ -114,8 +113,7 @@ def test_session_affinity_sticks() -> None:
 
 def _pool():
     pool = load_pool()
-    return pool, {m: ModelSpec(m, pm.batch_time, pm.config, 0.0, 0.0)
-                  for m, pm in pool.models.items()}
+    return pool, {m: pm.spec for m, pm in pool.models.items()}
 
 
 def test_retries_until_correct_and_ttca_accounting() -> None:

@@ -123,7 +123,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
 
 def _profile_dict(name: str) -> dict[str, Any]:
     p = load_profile(name)
-    return {"name": p.name, "description": p.description, "batch_time": p.model.to_dict(),
+    return {"name": p.name, "description": p.description, "batch_time": p.batch_time.to_dict(),
             "config": p.config.to_dict()}
 
 
@@ -153,7 +153,7 @@ def _paper_like(seed: int, profile_name: str, running: int, waiting: int,
     """A busy paper-like snapshot with the profile's batch-time model (and its scheduler config,
     or else paper_like_snapshot's default), validated as ``duetime forecast`` would."""
     profile = load_profile(profile_name)
-    snap = paper_like_snapshot(random.Random(seed), profile.model, n_running=running,
+    snap = paper_like_snapshot(random.Random(seed), profile.batch_time, n_running=running,
                                n_waiting=waiting,
                                config=profile.config if use_profile_config else None)
     try:

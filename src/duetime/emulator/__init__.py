@@ -6,12 +6,11 @@ real time and releases each step's tokens when the step ends. ``duetime emulate`
 """
 
 from duetime.emulator.app import create_app
-from duetime.emulator.core import Emulator, EmuRequest, Faults, scaled_model
-from duetime.emulator.live import LiveEngine
+from duetime.emulator.core import Emulator, EmuRequest, Faults
 from duetime.emulator.serving import AppServer, ServeError
 
-__all__ = ["AppServer", "EmuRequest", "Emulator", "Faults", "LiveEngine", "ServeError",
-           "create_app", "emulator_from_profile", "scaled_model"]
+__all__ = ["AppServer", "EmuRequest", "Emulator", "Faults", "ServeError", "create_app",
+           "emulator_from_profile"]
 
 
 def emulator_from_profile(profile: str, *, model_name: str | None = None, speed: float = 1.0,
@@ -21,5 +20,5 @@ def emulator_from_profile(profile: str, *, model_name: str | None = None, speed:
     from duetime.engine.profiles import load_profile
 
     p = load_profile(profile)
-    return Emulator(p.model, p.config, model_name=model_name or profile, speed=speed, seed=seed,
+    return Emulator(p.batch_time, p.config, model_name=model_name or profile, speed=speed, seed=seed,
                     faults=faults, output_median=output_median)

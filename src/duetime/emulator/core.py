@@ -25,14 +25,11 @@ import random
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-from duetime.emulator.live import LiveEngine, warm_up
-from duetime.engine.batch_time import BatchTimeModel, model_from_dict
-from duetime.engine.config import SchedulerConfig
-from duetime.engine.scheduler import EngineStuck
-from duetime.engine.snapshot import RequestTable, Snapshot
+from duetime.engine import BatchTimeModel, Engine, EngineStuck, SchedulerConfig, Snapshot
+from duetime.engine.kv import blocks_for
+from duetime.engine.warmup import warm_up
 
 log = logging.getLogger("duetime.emulator")
 
@@ -46,15 +43,6 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
-
-
-def scaled_model(model: BatchTimeModel, speed: float) -> BatchTimeModel:
-    """The batch-time model of an instance ``speed`` times faster."""
-    if speed == 1.0:
-        return model
-    d = model.to_dict()
-    d["coefficients"] = {k: v / speed for k, v in d["coefficients"].items()}
-    return model_from_dict(d)
 
 
 @dataclass(slots=True)
@@ -81,7 +69,7 @@ class EmuRequest:
     """One request in the emulator: how far it got, and an event set when that changes."""
 
     __slots__ = ("aborted", "arrival", "done", "event", "finish_reason", "finish_time",
-                 "first_token_time", "id", "produced", "prompt_tokens", "row", "stop")
+                 "first_token_time", "id", "produced", "prompt_tokens", "stop")
 
     def __init__(self, rid: str, prompt_tokens: int, stop: int, finish_reason: str,
                  arrival: float) -> None:
@@ -90,7 +78,6 @@ class EmuRequest:
         self.stop = stop
         self.finish_reason = finish_reason
         self.arrival = arrival
-        self.row = -1
         self.produced = 0
         self.done = False
         self.aborted = False
@@ -110,7 +97,7 @@ class Emulator:
         self.model_name = model_name
         self.speed = speed
         self.config = config
-        self.model = scaled_model(model, speed)
+        self.model = model.scaled(speed)
         self.output_median = output_median
         self.output_sigma = output_sigma
         self.faults = faults or Faults()
@@ -118,12 +105,8 @@ class Emulator:
         self._fault_rng = random.Random(seed + 1)
         self._ids = itertools.count()
         warm_up()
-        self.engine = LiveEngine(config, self.model)
+        self.engine = Engine(config, self.model, retain_finished=False)
         self._active: dict[str, EmuRequest] = {}
-        self._dirty = True
-        self._rows = np.zeros(0, dtype=np.int64)
-        self._seen = np.zeros(0, dtype=np.int64)
-        self._list: list[EmuRequest] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.aborted = 0
@@ -164,7 +147,7 @@ class Emulator:
                                  label, registry=r).labels(self.model_name)
 
     def kv_usage(self) -> float:
-        return 1.0 - self.engine.free_blocks / self.config.num_gpu_blocks
+        return self.engine.kv_usage
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -193,7 +176,7 @@ class Emulator:
                     f"requested {need} tokens ({prompt_tokens} in the messages, "
                     f"{max_tokens or 1} in the completion). Please reduce the length of the "
                     "messages or completion.")
-        if -(-need // self.config.block_size) > self.config.num_gpu_blocks:
+        if blocks_for(need, self.config.block_size) > self.config.num_gpu_blocks:
             return (f"the request needs {need} tokens of KV cache; the instance holds "
                     f"{self.config.kv_capacity_tokens}")
         return None
@@ -219,9 +202,8 @@ class Emulator:
         req = EmuRequest(rid, prompt_tokens, stop, reason, now)
         if self.engine.idle:
             self.engine.set_clock(now)
-        req.row = self.engine.add(rid, prompt_tokens, stop, arrival=now)
+        self.engine.add(rid, prompt_tokens, stop, arrival=now)
         self._active[rid] = req
-        self._dirty = True
         self.m_prompt.inc(prompt_tokens)
         self._wake.set()
         return req
@@ -232,7 +214,6 @@ class Emulator:
             return
         self.engine.abort(req.id)
         self._active.pop(req.id, None)
-        self._dirty = True
         req.done = req.aborted = True
         req.finish_reason = "abort"
         self.aborted += 1
@@ -268,7 +249,7 @@ class Emulator:
             elif clock() - eng.time > MAX_LAG_S:
                 eng.set_clock(clock())
             try:
-                ev = eng.step()
+                ev = eng.step(tokens=True)
             except EngineStuck as e:  # cannot happen for requests that passed check()
                 log.error("emulator %s: %s; aborting the waiting queue", self.model_name, e)
                 for rid in eng.waiting_ids():
@@ -283,32 +264,22 @@ class Emulator:
             await asyncio.sleep(max(0.0, ev.end - clock()))
             if ev.preempted:
                 self.m_preempt.inc(ev.preempted)
-            self._release(ev.end, ev.first_token, ev.finished)
-            if eng.rows_used > 4096 and eng.rows_used > 4 * len(self._active):
-                rows = eng.compact()
-                for rid, req in self._active.items():
-                    req.row = rows[rid]
-                self._dirty = True
+            self._release(ev.end, ev.tokens, ev.first_token, ev.finished)
 
-    def _release(self, t: float, first: list[str], finished: list[str]) -> None:
+    def _release(self, t: float, tokens: list[str], first: list[str],
+                 finished: list[str]) -> None:
+        """What a step produced reaches its requests: one more token each, first-token
+        times, finishes."""
         active = self._active
-        if self._dirty:
-            self._list = list(active.values())
-            self._rows = np.array([r.row for r in self._list], dtype=np.int64)
-            self._seen = np.array([r.produced for r in self._list], dtype=np.int64)
-            self._dirty = False
-        if not self._list:
-            return
-        out = self.engine.output_tokens(self._rows)
-        changed = np.flatnonzero(out != self._seen)
-        if changed.size:
-            self.m_gen.inc(int((out[changed] - self._seen[changed]).sum()))
-            self._seen[changed] = out[changed]
-            lst = self._list
-            for i in changed.tolist():
-                req = lst[i]
-                req.produced = int(out[i])
+        made = 0
+        for rid in tokens:
+            req = active.get(rid)
+            if req is not None:
+                req.produced += 1
                 req.event.set()
+                made += 1
+        if made:
+            self.m_gen.inc(made)
         for rid in first:
             req = active.get(rid)
             if req is not None:
@@ -318,7 +289,6 @@ class Emulator:
             req = active.pop(rid, None)
             if req is None:
                 continue
-            self._dirty = True
             req.done = True
             req.finish_time = t
             self.finished += 1
@@ -327,12 +297,3 @@ class Emulator:
             if req.produced > 1 and req.first_token_time is not None:
                 self.m_tpot.observe((t - req.first_token_time) / (req.produced - 1))
             req.event.set()
-
-
-def snapshot_with_offset(snap: Snapshot, offset: float) -> Snapshot:
-    """The same snapshot with every time moved by ``offset`` seconds (another clock)."""
-    def shift(t: RequestTable) -> RequestTable:
-        return RequestTable(t.ids, t.prompt, t.computed, t.output, t.predicted,
-                            t.arrival + offset)
-    return Snapshot(snap.config, snap.model, time=snap.time + offset,
-                    running=shift(snap.running_table), waiting=shift(snap.waiting_table))

@@ -1,13 +1,26 @@
-"""A stepping engine on the compiled kernel: the instance model for simulators and emulators.
+"""A stepping engine on the compiled kernel: the instance model of the simulator, the emulator's
+clock and the gateway's shadow replica.
 
-Same API shape as :class:`~duetime.engine.scheduler.ReferenceEngine` (add requests at step
-boundaries, step, read what happened) and the same rules, step for step (tested), at compiled
-speed: a step over a few hundred resident requests costs microseconds, so a simulated instance
-or an emulated server can run many times faster than real time.
+Same rules as :class:`~duetime.engine.scheduler.ReferenceEngine`, step for step (tested), at
+compiled speed: a step over a few hundred resident requests costs microseconds. Besides the
+scheduler's own operations (``add`` at the waiting tail, ``step``, ``run_until``) it owns the
+operations a live server needs, all by request id:
+
+* ``abort``: a client went away (or the request finished elsewhere): it leaves the batch at once
+  and frees its KV blocks (vLLM's ``abort_requests``);
+* ``observe`` / ``observe_many``: a request is known to have produced ``n`` tokens (a router saw
+  them stream): its prefill is done and it decodes from there;
+* ``set_clock`` / ``advance_clock``: the engine's clock follows a real one;
+* ``compact``: forget finished requests (``retain_finished=False`` does it by itself).
+
+Every read is public and read-only (:meth:`request`, :meth:`lookup`, :meth:`history`,
+:meth:`running_ids`, :meth:`snapshot`); the arrays behind them (layout in
+:mod:`duetime.engine.kernel`) never leave this module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,14 +28,19 @@ import numpy as np
 from duetime.engine import kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.forecasting import config_array
+from duetime.engine.kv import blocks_for, kv_release, kv_take
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
+
+COMPACT_AT = 4096  # without retained history: reclaim finished rows past this many rows
 
 
 @dataclass(slots=True)
 class StepEvents:
-    """What one step did: its start and end, and which requests got their first token or
-    finished at its end, and how many were preempted."""
+    """What one step did: its start and end, how many requests it scheduled and preempted,
+    which requests got their first token or finished at its end, and (:attr:`tokens`) which
+    produced an output token (vLLM's per-step engine outputs)."""
 
     index: int
     start: float
@@ -31,6 +49,39 @@ class StepEvents:
     first_token: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     preempted: int = 0
+    _made: np.ndarray | None = field(default=None, repr=False)
+    _ids: list[str] | None = field(default=None, repr=False)
+
+    @property
+    def tokens(self) -> list[str]:
+        """Ids of the requests that produced one output token in this step (when the step was
+        asked for them: ``Engine.step(tokens=True)``; else empty)."""
+        if self._made is None or self._ids is None:
+            return []
+        ids = self._ids
+        return [ids[r] for r in self._made.tolist()]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestColumns:
+    """Requests' state column by column (copies: reading them changes nothing).
+
+    ``first_token`` and ``finish_time`` are NaN until stamped; an aborted request's finish
+    time is the clock when it was aborted."""
+
+    ids: list[str]
+    prompt: np.ndarray
+    output: np.ndarray
+    computed: np.ndarray
+    stop: np.ndarray
+    predicted: np.ndarray
+    arrival: np.ndarray
+    first_token: np.ndarray
+    finish_time: np.ndarray
+    finished: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 class Engine:
@@ -38,39 +89,43 @@ class Engine:
 
     ``add`` queues a request at the tail of the waiting queue; ``step`` runs one scheduler step
     and returns its :class:`StepEvents` (``None`` when there is nothing to do). Request ids are
-    strings and must be unique. Rows of finished requests are not reused; the arrays grow by
-    doubling.
+    strings, unique over the engine's life. Finished requests are kept (their times stay
+    readable) unless ``retain_finished`` is False; the arrays grow by doubling.
     """
 
     def __init__(self, config: SchedulerConfig, model: BatchTimeModel, *, time: float = 0.0,
-                 capacity: int = 256, noise: float = 0.0, seed: int | None = None) -> None:
+                 capacity: int = 256, noise: float = 0.0, seed: int | None = None,
+                 retain_finished: bool = True) -> None:
         """``noise`` > 0: each step's duration is multiplied by a mean-one log-normal factor
         with this log-space spread (a simulated instance's "true" timing). ``seed`` seeds the
-        (process-global) generator of that noise."""
+        (process-global) generator of that noise. ``retain_finished`` False: rows of finished
+        requests are reclaimed once the arrays hold more than ``COMPACT_AT`` rows, mostly
+        finished (a server that runs for days)."""
         self.config = config
         self.model = model
         self.noise = float(noise)
+        self.retain_finished = retain_finished
         if seed is not None:
             kn.seed(seed)
         n = max(capacity, 4)
-        self._req = np.zeros((n, 6), dtype=np.int64)
+        self._req = np.zeros((n, kn.REQ_COLUMNS), dtype=np.int64)
+        self._held = np.zeros(n, dtype=np.int64)
         self._stamps = np.full((n, 2), np.nan)
         self._run = np.zeros(n, dtype=np.int64)
         self._wq = np.zeros(n, dtype=np.int64)
         self._st = np.zeros(5, dtype=np.int64)
         self._st[kn.FREE] = config.num_gpu_blocks
         self._clock = np.array([float(time)])
-        self._cfg = np.array([config.max_num_batched_tokens, config.chunk_cap,
-                              config.max_num_seqs, config.max_model_len, config.block_size,
-                              config.num_gpu_blocks, kn.block_shift(config.block_size)],
-                             dtype=np.int64)
+        self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
-        self._work = np.zeros((2, n), dtype=np.int64)
-        self._out = np.zeros(8, dtype=np.int64)
+        self._work = np.zeros((3, n), dtype=np.int64)
+        self._out = np.zeros(9, dtype=np.int64)
         self._pred = np.zeros(n, dtype=np.int64)  # predicted output length (the router's view)
         self._arrival = np.zeros(n)
         self._ids: list[str] = []
         self._rows: dict[str, int] = {}
+        self._revision = 0
+        self._snap: tuple[int, Snapshot] | None = None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -95,14 +150,32 @@ class Engine:
         return int(self._st[kn.FREE])
 
     @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache in use (vLLM's ``kv_cache_usage_perc``)."""
+        return 1.0 - self._st[kn.FREE] / self.config.num_gpu_blocks
+
+    @property
     def idle(self) -> bool:
         return self._st[kn.NRUN] == 0 and self._st[kn.WC] == 0
 
-    def advance_clock(self, t: float) -> None:
-        """Move an idle engine's clock forward to ``t`` (an arrival after a quiet spell)."""
-        if not self.idle:
-            raise RuntimeError("advance_clock: the engine is busy; step it instead")
-        self._clock[0] = max(self._clock[0], t)
+    @property
+    def revision(self) -> int:
+        """Changes whenever the engine's state or clock does (a cache key)."""
+        return self._revision
+
+    @property
+    def num_added(self) -> int:
+        """Requests added and still remembered (all of them while finished ones are kept)."""
+        return len(self._ids)
+
+    def has(self, request_id: str) -> bool:
+        """Whether the request is in the engine and not finished (nor aborted)."""
+        r = self._rows.get(request_id)
+        return r is not None and not self._req[r, kn.DONE]
+
+    def known(self, request_id: str) -> bool:
+        """Whether the id was ever used here and is remembered (ids are never reused)."""
+        return request_id in self._rows
 
     def request(self, request_id: str) -> dict[str, object]:
         """A request's current state (tokens, and stamps as floats or None)."""
@@ -110,28 +183,65 @@ class Engine:
         row = self._req[r].tolist()
         first, fin = self._stamps[r].tolist()
         return {"id": request_id, "prompt_tokens": row[kn.PROMPT], "output_tokens": row[kn.OUTPUT],
-                "stop": row[kn.STOP], "computed_tokens": row[kn.COMP], "blocks": row[kn.BLOCKS],
-                "finished": bool(row[kn.DONE]),
+                "stop": row[kn.STOP], "computed_tokens": row[kn.COMP],
+                "blocks": int(self._held[r]), "finished": bool(row[kn.DONE]),
                 "first_token": None if first != first else first,
                 "finish_time": None if fin != fin else fin}
+
+    def _columns(self, rows: np.ndarray) -> RequestColumns:
+        req, ids = self._req, self._ids
+        return RequestColumns([ids[r] for r in rows.tolist()], req[rows, kn.PROMPT],
+                              req[rows, kn.OUTPUT], req[rows, kn.COMP], req[rows, kn.STOP],
+                              self._pred[rows], self._arrival[rows], self._stamps[rows, 0],
+                              self._stamps[rows, 1], req[rows, kn.DONE] == 1)
+
+    def lookup(self, request_ids: Sequence[str]) -> RequestColumns:
+        """These requests' state, in the order given (KeyError for an unknown id)."""
+        rows = np.fromiter((self._rows[i] for i in request_ids), dtype=np.int64,
+                           count=len(request_ids))
+        return self._columns(rows)
+
+    def history(self, last: int | None = None) -> RequestColumns:
+        """The remembered requests in the order they were added (the ``last`` ones)."""
+        n = len(self._ids)
+        lo = 0 if last is None else max(0, n - last)
+        return self._columns(np.arange(lo, n, dtype=np.int64))
 
     def running_ids(self) -> list[str]:
         return [self._ids[r] for r in self._run[:self._st[kn.NRUN]].tolist()]
 
     def waiting_ids(self) -> list[str]:
+        return [self._ids[r] for r in self._waiting_rows().tolist()]
+
+    def _waiting_rows(self) -> np.ndarray:
         n = self._wq.shape[0]
         h, c = int(self._st[kn.WH]), int(self._st[kn.WC])
-        return [self._ids[int(self._wq[(h + i) % n])] for i in range(c)]
+        return self._wq[(h + np.arange(c)) % n] if c else np.zeros(0, dtype=np.int64)
+
+    # -- clock ----------------------------------------------------------------------------------
+
+    def advance_clock(self, t: float) -> None:
+        """Move an idle engine's clock forward to ``t`` (an arrival after a quiet spell)."""
+        if not self.idle:
+            raise RuntimeError("advance_clock: the engine is busy; step it instead")
+        self.set_clock(t)
+
+    def set_clock(self, t: float) -> None:
+        """Move the clock forward to ``t`` (a busy engine too: its next step starts then, e.g.
+        when a server woke late). Never backwards."""
+        if t > self._clock[0]:
+            self._clock[0] = t
+            self._revision += 1
 
     # -- stepping API ---------------------------------------------------------------------------
 
     def add(self, request_id: str, prompt_tokens: int, stop: int, *,
             output_tokens: int = 0, predicted_output_tokens: int | None = None,
-            arrival: float | None = None) -> int:
+            arrival: float | None = None) -> None:
         """Queue a request (``stop``: the output length it stops at) at the waiting tail.
 
         ``predicted_output_tokens`` (default: ``stop``) is what :meth:`snapshot` shows a router.
-        Returns the request's row (for :meth:`stamps`)."""
+        """
         if request_id in self._rows:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         if prompt_tokens < 1 or stop < 1 or output_tokens < 0:
@@ -141,44 +251,89 @@ class Engine:
                              f"reach max_model_len {self.config.max_model_len}")
         r = len(self._ids)
         if r >= self._req.shape[0]:
-            self._grow()
+            if not self.retain_finished and r >= COMPACT_AT and (
+                    2 * (self.num_running + self.num_waiting) < r):
+                self.compact()
+            else:
+                self._grow()
+            r = len(self._ids)
         self._ids.append(request_id)
         self._rows[request_id] = r
-        self._req[r] = (prompt_tokens, output_tokens, stop, 0, 0, 0)
+        self._req[r] = (prompt_tokens, output_tokens, stop, 0, 0)
+        self._held[r] = 0
+        self._stamps[r] = np.nan
         self._pred[r] = stop if predicted_output_tokens is None else predicted_output_tokens
         self._arrival[r] = self._clock[0] if arrival is None else arrival
         n = self._wq.shape[0]
         self._wq[(self._st[kn.WH] + self._st[kn.WC]) % n] = r
         self._st[kn.WC] += 1
-        return r
+        self._revision += 1
 
     def _grow(self) -> None:
+        """Double the arrays; rows keep their numbers (the order requests were added)."""
         old = self._req.shape[0]
-        new = 2 * old
-        waiting = [int(self._wq[(self._st[kn.WH] + i) % old]) for i in range(self._st[kn.WC])]
-        self._req = np.concatenate((self._req, np.zeros((old, 6), dtype=np.int64)))
-        self._stamps = np.concatenate((self._stamps, np.full((old, 2), np.nan)))
-        self._run = np.concatenate((self._run, np.zeros(old, dtype=np.int64)))
-        self._pred = np.concatenate((self._pred, np.zeros(old, dtype=np.int64)))
-        self._arrival = np.concatenate((self._arrival, np.zeros(old)))
-        self._wq = np.zeros(new, dtype=np.int64)
+        waiting = self._waiting_rows()
+
+        def more(a: np.ndarray, fill: float) -> np.ndarray:
+            return np.concatenate((a, np.full((old, *a.shape[1:]), fill, dtype=a.dtype)))
+
+        self._req = more(self._req, 0)
+        self._held = more(self._held, 0)
+        self._stamps = more(self._stamps, np.nan)
+        self._run = more(self._run, 0)
+        self._pred = more(self._pred, 0)
+        self._arrival = more(self._arrival, 0.0)
+        self._wq = np.zeros(2 * old, dtype=np.int64)
         self._wq[:len(waiting)] = waiting
         self._st[kn.WH] = 0
-        self._work = np.zeros((2, new), dtype=np.int64)
+        self._work = np.zeros((3, 2 * old), dtype=np.int64)
 
-    def step(self) -> StepEvents | None:
-        """Run one scheduler step; ``None`` when there is nothing to do."""
+    def compact(self) -> None:
+        """Forget finished requests (their rows are otherwise kept forever). Scheduler state,
+        order and every live request's state are unchanged; live requests keep the order they
+        were added in (:meth:`history`)."""
+        nrun = int(self._st[kn.NRUN])
+        run_rows, wait_rows = self._run[:nrun].copy(), self._waiting_rows()
+        live = np.sort(np.concatenate((run_rows, wait_rows)))
+        size = max(256, 2 * len(live))
+        k = len(live)
+
+        def keep(a: np.ndarray, fill: float) -> np.ndarray:
+            out = np.full((size, *a.shape[1:]), fill, dtype=a.dtype)
+            out[:k] = a[live]
+            return out
+
+        self._req = keep(self._req, 0)
+        self._held = keep(self._held, 0)
+        self._stamps = keep(self._stamps, np.nan)
+        self._pred = keep(self._pred, 0)
+        self._arrival = keep(self._arrival, 0.0)
+        self._ids = [self._ids[r] for r in live.tolist()]
+        self._rows = {rid: i for i, rid in enumerate(self._ids)}
+        self._run = np.zeros(size, dtype=np.int64)
+        self._run[:nrun] = np.searchsorted(live, run_rows)
+        self._wq = np.zeros(size, dtype=np.int64)
+        self._wq[:len(wait_rows)] = np.searchsorted(live, wait_rows)
+        self._st[kn.WH] = 0
+        self._work = np.zeros((3, size), dtype=np.int64)
+        self._revision += 1
+
+    def step(self, *, tokens: bool = False) -> StepEvents | None:
+        """Run one scheduler step; ``None`` when there is nothing to do. ``tokens``: also
+        record which requests produced a token (:attr:`StepEvents.tokens`)."""
         if self.idle:
             return None
         start = float(self._clock[0])
-        got = kn.step(self._req, self._stamps, self._run, self._wq, self._st, self._clock,
-                      self._cfg, self._w, self._work, self._out, self.noise)
+        got = kn.step(self._req, self._held, self._stamps, self._run, self._wq, self._st,
+                      self._clock, self._cfg, self._w, self._work, self._out, self.noise)
+        self._revision += 1
         out = self._out
         self._raise_if_stuck(got, int(out[4]))
         ids = self._ids
         return StepEvents(int(self._st[kn.K]) - 1, start, float(self._clock[0]), got,
                           [ids[r] for r in self._work[1, :out[5]].tolist()],
-                          [ids[r] for r in self._work[0, :out[6]].tolist()], int(out[7]))
+                          [ids[r] for r in self._work[0, :out[6]].tolist()], int(out[7]),
+                          self._work[2, :out[8]].copy() if tokens else None, ids)
 
     def _raise_if_stuck(self, code: int, row: int) -> None:
         if code == kn.TOO_BIG:
@@ -192,12 +347,15 @@ class Engine:
         """Step while the clock is before ``t`` (the last step may end after it); an idle
         engine's clock jumps to ``t``. With ``stop_on_finish`` it returns early, after the first
         step in which requests finished, and returns their ids (else ``[]``)."""
-        code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
-                                    self._clock, self._cfg, self._w, self._work, self._out,
-                                    t, stop_on_finish, self.noise)
+        k0, t0 = self._st[kn.K], self._clock[0]
+        code, detail = kn.run_until(self._req, self._held, self._stamps, self._run, self._wq,
+                                    self._st, self._clock, self._cfg, self._w, self._work,
+                                    self._out, t, stop_on_finish, self.noise)
+        if self._st[kn.K] != k0 or self._clock[0] != t0:
+            self._revision += 1
         self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
-            self._clock[0] = max(self._clock[0], t)
+            self.set_clock(t)
         if code == kn.FINISHED:
             return [self._ids[r] for r in self._work[0, :self._out[6]].tolist()]
         return []
@@ -206,19 +364,128 @@ class Engine:
         """Run until idle (the clock stays at the last step's end)."""
         self.run_until(float("inf"))
 
-    def stamps(self) -> np.ndarray:
-        """First-token and finish times per row, in the order requests were added (NaN until
-        stamped). A view: copy it if you keep it."""
-        return self._stamps[:len(self._ids)]
+    # -- live operations --------------------------------------------------------------------------
+
+    def _remove_running(self, r: int) -> bool:
+        nrun = int(self._st[kn.NRUN])
+        run = self._run
+        hit = np.flatnonzero(run[:nrun] == r)
+        if hit.size == 0:
+            return False
+        i = int(hit[0])
+        run[i:nrun - 1] = run[i + 1:nrun].copy()
+        self._st[kn.NRUN] = nrun - 1
+        self._st[kn.FREE] += kv_release(self._held, r)
+        return True
+
+    def _remove_waiting(self, r: int) -> bool:
+        n = self._wq.shape[0]
+        h, c = int(self._st[kn.WH]), int(self._st[kn.WC])
+        if c == 0:
+            return False
+        idx = (h + np.arange(c)) % n
+        items = self._wq[idx]
+        hit = np.flatnonzero(items == r)
+        if hit.size == 0:
+            return False
+        rest = np.delete(items, int(hit[0]))
+        self._wq[idx[:c - 1]] = rest
+        self._st[kn.WC] = c - 1
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Take a request out of the batch now (its blocks are freed; it counts as finished at
+        the current clock). Returns False if it was unknown or already finished."""
+        r = self._rows.get(request_id)
+        if r is None or self._req[r, kn.DONE]:
+            return False
+        if not self._remove_running(r):
+            self._remove_waiting(r)
+        self._req[r, kn.DONE] = 1
+        self._stamps[r, 1] = self._clock[0]
+        self._revision += 1
+        return True
+
+    def observe(self, request_id: str, output_tokens: int) -> bool:
+        """The request has really produced ``output_tokens`` (>= 1) tokens: its prefill is done
+        and it decodes from there. A waiting request is moved to the tail of the running order
+        (if a seat and its blocks are free; otherwise the engine keeps its own view). Returns
+        whether the engine changed."""
+        r = self._rows.get(request_id)
+        if r is None or output_tokens < 1 or self._req[r, kn.DONE]:
+            return False
+        req = self._req
+        prompt = int(req[r, kn.PROMPT])
+        if prompt + output_tokens >= self.config.max_model_len:
+            return False
+        computed = prompt + output_tokens - 1
+        if req[r, kn.OUTPUT] == output_tokens and req[r, kn.COMP] == computed:
+            return False
+        need = blocks_for(computed, self.config.block_size) - int(self._held[r])
+        nrun = int(self._st[kn.NRUN])
+        running = bool(np.any(self._run[:nrun] == r))
+        if need > self._st[kn.FREE]:
+            return False
+        if not running:
+            if nrun >= self.config.max_num_seqs or not self._remove_waiting(r):
+                return False
+            self._run[nrun] = r
+            self._st[kn.NRUN] = nrun + 1
+        self._st[kn.FREE] -= kv_take(self._held, r, need)
+        req[r, kn.COMP] = computed
+        req[r, kn.OUTPUT] = output_tokens
+        if req[r, kn.STOP] <= output_tokens:
+            req[r, kn.STOP] = output_tokens + 1
+        if self._stamps[r, 0] != self._stamps[r, 0]:
+            self._stamps[r, 0] = self._clock[0]
+        self._revision += 1
+        return True
+
+    def observe_many(self, request_ids: Sequence[str], output_tokens: Sequence[int]) -> int:
+        """:meth:`observe` for many requests at once, vectorised, for those already running
+        (others are left alone: correct them one by one with :meth:`observe`). Returns how many
+        were corrected."""
+        nrun = int(self._st[kn.NRUN])
+        if nrun == 0 or not len(request_ids):
+            return 0
+        get = self._rows.get
+        rows = np.fromiter((get(i, -1) for i in request_ids), dtype=np.int64,
+                           count=len(request_ids))
+        outs = np.asarray(output_tokens, dtype=np.int64)
+        req = self._req
+        keep = (rows >= 0) & (outs >= 1)
+        rows, outs = rows[keep], outs[keep]
+        keep = np.isin(rows, self._run[:nrun]) & (req[rows, kn.DONE] == 0)
+        rows, outs = rows[keep], outs[keep]
+        comp = req[rows, kn.PROMPT] + outs - 1
+        keep = (comp + 1 < self.config.max_model_len) & (
+            (req[rows, kn.OUTPUT] != outs) | (req[rows, kn.COMP] != comp))
+        if not keep.any():
+            return 0
+        rows, outs, comp = rows[keep], outs[keep], comp[keep]
+        need = blocks_for(comp, self.config.block_size)
+        delta = int((need - self._held[rows]).sum())
+        if delta > self._st[kn.FREE]:
+            return 0
+        self._st[kn.FREE] -= delta
+        self._held[rows] = need
+        req[rows, kn.COMP] = comp
+        req[rows, kn.OUTPUT] = outs
+        req[rows, kn.STOP] = np.maximum(req[rows, kn.STOP], outs + 1)
+        self._revision += 1
+        return int(rows.size)
+
+    # -- the router's view ------------------------------------------------------------------------
 
     def snapshot(self, time: float | None = None) -> Snapshot:
         """The router's view: running and waiting requests in scheduler order, with their
-        *predicted* output lengths, at the engine's clock (or ``time``)."""
+        *predicted* output lengths, at the engine's clock (or ``time``). Built once per state
+        (a snapshot is immutable)."""
+        if time is None and self._snap is not None and self._snap[0] == self._revision:
+            return self._snap[1]
         nrun = int(self._st[kn.NRUN])
         rows_r = self._run[:nrun]
-        n = self._wq.shape[0]
-        h, c = int(self._st[kn.WH]), int(self._st[kn.WC])
-        rows_w = self._wq[(h + np.arange(c)) % n] if c else np.zeros(0, dtype=np.int64)
+        rows_w = self._waiting_rows()
         req, ids = self._req, self._ids
 
         def table(rows: np.ndarray) -> RequestTable:
@@ -226,6 +493,26 @@ class Engine:
                                 req[rows, kn.COMP], req[rows, kn.OUTPUT], self._pred[rows],
                                 self._arrival[rows])
 
-        return Snapshot(self.config, self.model,
+        snap = Snapshot(self.config, self.model,
                         time=float(self._clock[0]) if time is None else time,
                         running=table(rows_r), waiting=table(rows_w))
+        if time is None:
+            self._snap = (self._revision, snap)
+        return snap
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block accounting or the queues are inconsistent
+        (tests)."""
+        nrun = int(self._st[kn.NRUN])
+        rows = self._run[:nrun]
+        held = int(self._held[rows].sum())
+        assert held + int(self._st[kn.FREE]) == self.config.num_gpu_blocks, "blocks leak"
+        assert nrun <= self.config.max_num_seqs
+        assert len(set(rows.tolist())) == nrun
+        waiting = self._waiting_rows()
+        assert not set(waiting.tolist()) & set(rows.tolist())
+        assert (self._held[waiting] == 0).all()
+        bs = self.config.block_size
+        for r in rows.tolist():
+            assert self._held[r] == blocks_for(int(self._req[r, kn.COMP]), bs)
+            assert not self._req[r, kn.DONE]

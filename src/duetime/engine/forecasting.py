@@ -31,9 +31,10 @@ import numpy as np
 from duetime.engine import kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.kv import block_shift, blocks_for
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
-from duetime.engine.scheduler import EngineStuck, ReferenceEngine, blocks_for
+from duetime.engine.scheduler import EngineStuck, ReferenceEngine
 from duetime.engine.snapshot import Snapshot
 
 Until = Literal["first_token", "finish"]
@@ -72,10 +73,11 @@ def _probe_id(snapshot: Snapshot) -> str:
 
 
 @lru_cache(maxsize=256)
-def _config_array(cfg: SchedulerConfig) -> np.ndarray:
+def config_array(cfg: SchedulerConfig) -> np.ndarray:
+    """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`)."""
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks,
-                     kn.block_shift(cfg.block_size)], dtype=np.int64)
+                     block_shift(cfg.block_size)], dtype=np.int64)
 
 
 @lru_cache(maxsize=256)
@@ -87,10 +89,11 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     """Fresh replay arrays for the snapshot (see :mod:`kernel`); ``probe`` = (prompt, stop)
     joins the queue's tail."""
     cfg = snapshot.config
+    cfg_arr = config_array(cfg)
     run, wait = snapshot.running_table, snapshot.waiting_table
-    req, stamps, running, wq, st, clock = kn.prepare(
+    req, held, stamps, running, wq, st, clock = kn.prepare(
         run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
-        wait.predicted, cfg.block_size, cfg.num_gpu_blocks, sigma, 0.0)
+        wait.predicted, cfg.block_size, cfg_arr[kn.SHIFT], cfg.num_gpu_blocks, sigma, 0.0)
     if st[kn.FREE] < 0:
         raise ForecastError(f"snapshot: the running requests hold "
                             f"{cfg.num_gpu_blocks - int(st[kn.FREE])} KV blocks but "
@@ -98,8 +101,7 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
         st[kn.WC] += 1
-    return (req, stamps, running, wq, st, clock, _config_array(cfg),
-            _weights_array(snapshot.model))
+    return (req, held, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model))
 
 
 def _request_id(snapshot: Snapshot, r: int, probe_id: str) -> str:
@@ -194,7 +196,7 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
     if code != kn.REACHED:
         raise _kernel_error(code, detail, snapshot, pid, max_steps, what)
-    stamps, st = state[1], state[4]
+    stamps, st = state[2], state[5]
     return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0, int(st[kn.K]))
 
 

@@ -13,14 +13,14 @@ run as plain Python: correct, slow.
 
 Layout (all int64 unless noted; request ``r`` is an index):
 
-* ``req``: shape (N, 6): prompt, output, stop, computed, blocks, done flag;
+* ``req``: shape (N, 5): prompt, output, stop, computed, done flag;
+* ``held``: KV blocks held per row (the block ledger's array, :mod:`duetime.engine.kv`);
 * ``stamps`` (float64, (N, 2)): first-token and finish time (NaN until stamped);
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
 * ``st``: step index, free blocks, run length, queue head, queue length; ``clock`` (float64[1]);
 * ``cfg``: budget, chunk cap, max_num_seqs, max_model_len, block size, num_gpu_blocks,
-  log2(block size) or -1 (block counts by shifting: a division costs more than the rest of a
-  decode's bookkeeping);
+  log2(block size) or -1 (see :mod:`duetime.engine.kv`);
 * ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
   order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
 """
@@ -30,10 +30,12 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.engine._jit import njit
+from duetime.engine.kv import block_shift, kv_blocks, kv_need, kv_release, kv_take
 from duetime.engine.remaining import stop_length
 
 # req columns
-PROMPT, OUTPUT, STOP, COMP, BLOCKS, DONE = range(6)
+PROMPT, OUTPUT, STOP, COMP, DONE = range(5)
+REQ_COLUMNS = 5
 # st fields
 K, FREE, NRUN, WH, WC = range(5)
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
@@ -56,35 +58,33 @@ SEATS = 2       # running < max_num_seqs after admission
 PREEMPTED = 4
 
 
-def block_shift(block_size: int) -> int:
-    """log2(block_size) if it is a power of two, else -1 (see ``cfg``)."""
-    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
+__all__ = ["block_shift"]
 
 
 @njit(cache=True, nogil=True)
-def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, num_blocks,
+def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift, num_blocks,
             sigma, time):  # pragma: no cover - jit
     """Replay state for a snapshot: running rows, then waiting rows, then one spare row (for a
-    probe). Stop lengths come from the predictions (:func:`stop_length`).
+    probe). Stop lengths come from the predictions (:func:`stop_length`); each running request
+    holds the blocks of its computed tokens.
 
-    Returns (req, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests hold
-    more blocks than the instance has.
+    Returns (req, held, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests
+    hold more blocks than the instance has.
     """
     n_run = r_prompt.shape[0]
     n_wait = w_prompt.shape[0]
     n = n_run + n_wait + 1
-    req = np.zeros((n, 6), dtype=np.int64)
+    req = np.zeros((n, REQ_COLUMNS), dtype=np.int64)
+    held = np.zeros(n, dtype=np.int64)
     run = np.zeros(n, dtype=np.int64)
     wq = np.zeros(n, dtype=np.int64)
-    held = 0
+    used = 0
     for i in range(n_run):
         req[i, PROMPT] = r_prompt[i]
         req[i, OUTPUT] = r_out[i]
         req[i, STOP] = stop_length(r_pred[i], r_out[i], sigma)
         req[i, COMP] = r_comp[i]
-        b = (r_comp[i] + bs - 1) // bs
-        req[i, BLOCKS] = b
-        held += b
+        used += kv_take(held, i, kv_blocks(r_comp[i], bs, shift))
         run[i] = i
     for i in range(n_wait):
         req[n_run + i, PROMPT] = w_prompt[i]
@@ -94,20 +94,21 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, num_bl
     wq[n_wait] = n - 1
     stamps = np.full((n, 2), np.nan)
     st = np.zeros(5, dtype=np.int64)
-    st[FREE] = num_blocks - held
+    st[FREE] = num_blocks - used
     st[NRUN] = n_run
     st[WC] = n_wait
     clock = np.full(1, time)
-    return req, stamps, run, wq, st, clock
+    return req, held, stamps, run, wq, st, clock
 
 
 @njit(cache=True, nogil=True)
-def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # pragma: no cover
-
-    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[8]) gets
+def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
+         noise=0.0):  # pragma: no cover - jit
+    """One scheduler step. ``work``: int64 scratch (3, N); ``out`` (int64[9]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
-    victim (on TOO_BIG), first tokens, finished, preempted]; the rows that got their first
-    token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
+    victim (on TOO_BIG), first tokens, finished, preempted, tokens]; the rows that got their
+    first token are ``work[1, :out[5]]``, those that finished ``work[0, :out[6]]`` and those
+    that produced an output token ``work[2, :out[8]]``.
     Returns the number of scheduled requests, or STUCK / TOO_BIG. ``noise`` > 0 multiplies the
     step's duration by a mean-one log-normal factor with that log-space spread (a simulated
     instance's "true" timing; numba's global RNG, see :func:`seed`).
@@ -131,8 +132,10 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
     wc = st[WC]
     done = work[0]
     first = work[1]
+    made = work[2]
     nd = 0
     nf = 0
+    nm = 0
     n_dec = 0
     n_pre = 0
     pre_sq = 0
@@ -164,17 +167,13 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
             n = cap
         if n > budget:
             n = budget
-        if shift >= 0:
-            need = ((c + n + bs - 1) >> shift) - req[r, BLOCKS]
-        else:
-            need = (c + n + bs - 1) // bs - req[r, BLOCKS]
+        need = kv_need(held, r, c + n, bs, shift)
         if phase == 0:
             ok = True
             while free < need:  # preempt the newest running request (maybe r itself)
                 nrun -= 1
                 v = run[nrun]
-                free += req[v, BLOCKS]
-                req[v, BLOCKS] = 0
+                free += kv_release(held, v)
                 req[v, COMP] = 0
                 wh = (wh - 1) % n_q
                 wq[wh] = v
@@ -197,8 +196,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
             wc -= 1
             run[nrun] = r
             nrun += 1
-        free -= need
-        req[r, BLOCKS] += need
+        free -= kv_take(held, r, need)
         budget -= n
         ns += 1
         # batch features, then apply
@@ -215,6 +213,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
         if c + n == length:
             o = req[r, OUTPUT] + 1
             req[r, OUTPUT] = o
+            made[nm] = r
+            nm += 1
             if o == 1:
                 first[nf] = r
                 nf += 1
@@ -234,6 +234,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
     out[5] = nf
     out[6] = nd
     out[7] = preempted
+    out[8] = nm
     st[NRUN] = nrun
     st[WH] = wh
     st[WC] = wc
@@ -255,8 +256,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
         for j in range(nd):
             r = done[j]
             stamps[r, 1] = t_end
-            free += req[r, BLOCKS]
-            req[r, BLOCKS] = 0
+            free += kv_release(held, r)
             req[r, DONE] = 1
         m = 0
         for j in range(nrun):
@@ -272,26 +272,26 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
 
 
 @njit(cache=True, nogil=True)
-def run_probe(req, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
+def run_probe(req, held, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
               max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
-    work = np.empty((2, run.shape[0]), dtype=np.int64)
-    out = np.zeros(8, dtype=np.int64)
+    work = np.empty((3, run.shape[0]), dtype=np.int64)
+    out = np.zeros(9, dtype=np.int64)
     col = 1 if until_finish else 0
     while np.isnan(stamps[probe, col]):
         if st[K] >= max_steps:
             return STEP_CAP, 0
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
+        got = step(req, held, stamps, run, wq, st, clock, cfg, w, work, out)
         if got < 0:
             return got, out[4]
     return REACHED, 0
 
 
 @njit(cache=True, nogil=True)
-def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, room, target,
-             max_steps):  # pragma: no cover - jit
+def run_base(req, held, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, room,
+             target, max_steps):  # pragma: no cover - jit
     """Step and record until the probe room since the queue first drained reaches ``target``.
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
@@ -301,8 +301,8 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
     ``room`` = [y summed from the first drained step on, 1 once drained, first drained step].
     Returns (code, recorded count, detail).
     """
-    work = np.empty((2, run.shape[0]), dtype=np.int64)
-    out = np.zeros(8, dtype=np.int64)
+    work = np.empty((3, run.shape[0]), dtype=np.int64)
+    out = np.zeros(9, dtype=np.int64)
     cap = cfg[CAP]
     while True:
         if room[1] == 1 and room[0] >= target:
@@ -313,7 +313,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
             return FULL, n_rec, 0
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
+        got = step(req, held, stamps, run, wq, st, clock, cfg, w, work, out)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]
@@ -334,15 +334,15 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
 
 
 @njit(cache=True, nogil=True)
-def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, t_limit, stop_on_finish,
-              noise):  # pragma: no cover - jit
+def run_until(req, held, stamps, run, wq, st, clock, cfg, w, work, out, t_limit,
+              stop_on_finish, noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after
     it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
     finished rows are ``work[0, :out[6]]``), or STUCK / TOO_BIG (detail: the row)."""
     while clock[0] < t_limit:
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise)
+        got = step(req, held, stamps, run, wq, st, clock, cfg, w, work, out, noise)
         if got < 0:
             return got, out[4]
         if stop_on_finish and out[6] > 0:

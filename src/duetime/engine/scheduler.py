@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.kv import KVLedger
 from duetime.engine.request import Request
 
 
@@ -33,6 +34,7 @@ class StepRecord:
     preempted: list[str] = field(default_factory=list)
     first_token: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)  # requests that produced an output token
 
     @property
     def duration(self) -> float:
@@ -41,11 +43,6 @@ class StepRecord:
     def to_dict(self) -> dict:
         return {"end": self.end, "duration": self.duration, "prefill": dict(self.prefill),
                 "decode": list(self.decode), "preempted": list(self.preempted)}
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    """KV blocks that hold ``tokens`` tokens."""
-    return -(-tokens // block_size)
 
 
 class ReferenceEngine:
@@ -62,20 +59,19 @@ class ReferenceEngine:
         self.steps = steps
         self.running: list[Request] = list(running)
         self.waiting: deque[Request] = waiting if isinstance(waiting, deque) else deque(waiting)
+        self.kv = KVLedger(config.num_gpu_blocks, config.block_size, free_blocks)
         if free_blocks is None:
-            held = 0
             for r in self.running:
-                r.blocks = blocks_for(r.computed, config.block_size)
-                held += r.blocks
+                self.kv.hold(r, r.computed)
             for r in self.waiting:
                 r.blocks = 0
-            free_blocks = config.num_gpu_blocks - held
-        else:
-            held = config.num_gpu_blocks - free_blocks
-        self.free_blocks = free_blocks
-        if self.free_blocks < 0:
-            raise ValueError(f"running requests hold {held} KV blocks but the instance has "
-                             f"only {config.num_gpu_blocks}")
+        if self.kv.free_blocks < 0:
+            raise ValueError(f"running requests hold {self.kv.used_blocks} KV blocks but the "
+                             f"instance has only {config.num_gpu_blocks}")
+
+    @property
+    def free_blocks(self) -> int:
+        return self.kv.free_blocks
 
     # -- stepping API -------------------------------------------------------------------------
 
@@ -93,7 +89,7 @@ class ReferenceEngine:
         if self.idle:
             return None
         cfg = self.config
-        bs = cfg.block_size
+        kv = self.kv
         cap = cfg.chunk_cap
         max_len = cfg.max_model_len
         budget = cfg.max_num_batched_tokens
@@ -108,26 +104,24 @@ class ReferenceEngine:
             r = running[i]
             n = min(r.prompt + r.output - r.computed, cap, budget)
             target = r.computed + n
-            need = blocks_for(target, bs) - r.blocks
+            need = kv.need(r, target)
             ok = True
-            while self.free_blocks < need:
+            while not kv.fits(need):
                 v = running.pop()
-                self.free_blocks += v.blocks
-                v.blocks = 0
+                kv.free(v)
                 v.computed = 0
                 waiting.appendleft(v)
                 rec.preempted.append(v.id)
                 if v is r:
                     if not running:  # alone with every block free, and still too big
                         raise EngineStuck(
-                            f"request {r.id!r} needs {blocks_for(target, bs)} KV blocks "
+                            f"request {r.id!r} needs {kv.blocks_for(target)} KV blocks "
                             f"for {target} tokens but the instance has {cfg.num_gpu_blocks}")
                     ok = False
                     break
             if not ok:
                 break
-            self.free_blocks -= need
-            r.blocks += need
+            kv.take(r, need)
             scheduled.append((r, n))
             budget -= n
             i += 1
@@ -137,13 +131,12 @@ class ReferenceEngine:
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
                 n = min(r.prompt + r.output - r.computed, cap, budget)
-                need = blocks_for(r.computed + n, bs) - r.blocks
-                if self.free_blocks < need:
+                need = kv.need(r, r.computed + n)
+                if not kv.fits(need):
                     break
                 waiting.popleft()
                 running.append(r)
-                self.free_blocks -= need
-                r.blocks += need
+                kv.take(r, need)
                 scheduled.append((r, n))
                 budget -= n
 
@@ -177,13 +170,13 @@ class ReferenceEngine:
             r.computed += n
             if r.computed == r.prompt + r.output:
                 r.output += 1
+                rec.tokens.append(r.id)
                 if r.output == 1:
                     r.first_token = end
                     rec.first_token.append(r.id)
                 if r.output >= r.stop or r.prompt + r.output >= max_len:
                     r.finished = end
-                    self.free_blocks += r.blocks
-                    r.blocks = 0
+                    kv.free(r)
                     rec.finished.append(r.id)
                     done = True
         if done:
@@ -196,5 +189,5 @@ class ReferenceEngine:
         head = self.waiting[0] if self.waiting else None
         if head is not None:
             return (f"request {head.id!r} needs more KV blocks than the instance can free "
-                    f"({self.free_blocks} free of {self.config.num_gpu_blocks})")
+                    f"({self.kv.free_blocks} free of {self.config.num_gpu_blocks})")
         return "no running request can be scheduled"

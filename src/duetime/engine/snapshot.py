@@ -19,6 +19,7 @@ from typing_extensions import TypedDict
 
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.kv import held_blocks
 
 SNAPSHOT_VERSION = 1
 
@@ -263,11 +264,26 @@ class Snapshot:
         if len(run) > cfg.max_num_seqs:
             raise SnapshotError(f"snapshot.running: {len(run)} running requests exceed "
                                 f"config.max_num_seqs = {cfg.max_num_seqs}")
-        held = int(((run.computed + (cfg.block_size - 1)) // cfg.block_size).sum())
+        held = held_blocks(run.computed, cfg.block_size)
         if held > cfg.num_gpu_blocks:
             raise SnapshotError(f"snapshot.running: the running requests hold {held} KV blocks "
                                 f"(ceil(computed_tokens / block_size) each) but "
                                 f"config.num_gpu_blocks = {cfg.num_gpu_blocks}")
+
+    def shifted(self, dt: float) -> Snapshot:
+        """The same state on another clock: ``time`` and every arrival moved by ``dt``
+        seconds (e.g. an instance's monotonic clock onto a router's)."""
+        def shift(t: RequestTable) -> RequestTable:
+            return RequestTable(t.ids, t.prompt, t.computed, t.output, t.predicted,
+                                t.arrival + dt)
+        return Snapshot(self.config, self.model, time=self.time + dt,
+                        running=shift(self.running_table), waiting=shift(self.waiting_table))
+
+    def at(self, time: float) -> Snapshot:
+        """The same requests dated ``time`` (a forecast then counts from ``time``, as if nothing
+        progressed since this snapshot)."""
+        return Snapshot(self.config, self.model, time=time, running=self.running_table,
+                        waiting=self.waiting_table)
 
     def to_dict(self) -> dict[str, Any]:
         """The public JSON form."""

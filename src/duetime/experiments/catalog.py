@@ -23,7 +23,6 @@ from duetime.policy import make_policy
 from duetime.sim.retry import run_retries
 from duetime.workload import load_workload
 from duetime.workload.kvlookup import load_pool
-from duetime.workload.profile import ModelSpec
 
 # The paper's settings (shared/reference/paper-parameters.yaml).
 PAPER_RATES = (3, 4, 5, 6, 7, 8, 8.3, 8.6, 8.75, 9, 9.2, 9.3, 9.5)
@@ -198,7 +197,7 @@ def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
     """The LAAR paper's evaluation: KV lookups with retries on the five-model pool, per
     (context length, language); load-aware, session-affinity, laar and ttca."""
     pool = load_pool()
-    models = {m: ModelSpec(m, pm.batch_time, pm.config, 0.0, 0.0) for m, pm in pool.models.items()}
+    models = {m: pm.spec for m, pm in pool.models.items()}
     names = list(models)
     contexts = pool.contexts[::2] if quick else pool.contexts
     languages = pool.languages[:2] if quick else pool.languages

@@ -33,7 +33,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from duetime.emulator.live import warm_up
 from duetime.emulator.protocol import (
     SSE_HEADERS,
     ApiError,
@@ -50,6 +49,7 @@ from duetime.emulator.protocol import (
     send_json,
 )
 from duetime.engine.snapshot import Snapshot, SnapshotError
+from duetime.engine.warmup import warm_up
 from duetime.gateway.config import Pool
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.state import Flight, InstanceState

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from duetime.emulator.core import FAULT_KINDS, scaled_model
+from duetime.emulator.core import FAULT_KINDS
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.profiles import load_profile, profile_names
@@ -270,7 +270,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
             model = config = None
             if profile is not None:
                 p = load_profile(profile)
-                model, config = p.model, p.config
+                model, config = p.batch_time, p.config
             if s.batch_time is not None:
                 model = model_from_dict(s.batch_time, f"{w}.batch_time")
             if s.config is not None:
@@ -293,7 +293,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
             raise fail(f"{w}.price_usd_per_mtok", f"missing (and model {s.model!r} is not in "
                        "the quality workload); give {prompt: USD/Mtok, output: USD/Mtok}")
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url, s.emulate,
-                              profile, scaled_model(model, speed), config, pp, po, s.snapshot,
+                              profile, model.scaled(speed), config, pp, po, s.snapshot,
                               s.request_overhead_ms / 1000.0))
 
     models = list(dict.fromkeys(i.model for i in insts))

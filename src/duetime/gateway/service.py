@@ -43,7 +43,7 @@ class Service:
                     continue
                 e = inst.emulate
                 prof = load_profile(inst.profile)  # type: ignore[arg-type]
-                emu = Emulator(prof.model, prof.config, model_name=inst.served_model,
+                emu = Emulator(prof.batch_time, prof.config, model_name=inst.served_model,
                                speed=e.speed, seed=e.seed, output_median=e.output_median,
                                faults=Faults(e.fail_rate, tuple(e.fail_kinds)))
                 server = await AppServer(create_app(emu), host="127.0.0.1", port=0).start()

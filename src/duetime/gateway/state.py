@@ -8,9 +8,9 @@ Three sources, as DESIGN.md's "Live state" describes:
   queue with its estimated prompt and its predicted output length (as the snapshot's
   ``predicted_output_tokens``; the replica never finishes a request by itself — past its
   prediction the forecaster's remaining-length estimate applies). On the first streamed chunk
-  its prefill is marked done (``LiveEngine.observe``); the streamed token counts correct the
+  its prefill is marked done (``Engine.observe``); the streamed token counts correct the
   replica's outputs (at most every ``state.sync_interval_s``, vectorised); on completion,
-  failure or cancellation it leaves the replica (``LiveEngine.abort``).
+  failure or cancellation it leaves the replica (``Engine.abort``).
 * **published**: an instance that serves ``GET /snapshot`` (the emulator) is polled every
   ``state.scrape_interval_s``; the snapshot is moved onto the gateway's clock (the response's
   ``x-duetime-clock`` header gives the instance's clock; the offset is taken at the middle of
@@ -32,8 +32,8 @@ from collections import deque
 
 import numpy as np
 
-from duetime.emulator.core import snapshot_with_offset
-from duetime.emulator.live import LiveEngine
+from duetime.engine.compiled import Engine
+from duetime.engine.kv import held_blocks
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 from duetime.estimate.base import InstanceStats
@@ -51,7 +51,7 @@ class Flight:
     """One upstream attempt, as the gateway observes it."""
 
     __slots__ = ("dispatched", "first_token", "forecast", "id", "predicted", "prompt_tokens",
-                 "row", "tokens")
+                 "shadowed", "tokens")
 
     def __init__(self, fid: str, prompt_tokens: int, predicted: int, dispatched: float,
                  forecast: float | None) -> None:
@@ -62,7 +62,7 @@ class Flight:
         self.forecast = forecast
         self.first_token: float | None = None
         self.tokens = 0
-        self.row = -1
+        self.shadowed = False  # whether it joined the shadow replica
 
 
 class InstanceState:
@@ -78,12 +78,11 @@ class InstanceState:
         self.candidate = Candidate(spec.name, spec.model, spec.price_prompt, spec.price_output,
                                    self)
         now = time.monotonic() if now is None else now
-        self.shadow = LiveEngine(spec.config, spec.batch_time, time=now)
+        self.shadow = Engine(spec.config, spec.batch_time, time=now, retain_finished=False)
         self.flights: dict[str, Flight] = {}
         self._done: dict[str, float] = {}
         self._version = 0
         self._last_sync = -math.inf
-        self._shadow_cache: tuple[tuple[int, int, float], Snapshot] | None = None
         # published snapshots
         self.publishes: bool | None = None if spec.snapshot == "auto" else False
         self._published: Snapshot | None = None
@@ -140,9 +139,8 @@ class InstanceState:
         if self._metrics_fresh(now):
             return float(self._scraped[2])  # type: ignore[index]
         snap = self.snapshot()
-        bs = snap.config.block_size
-        held = int(((snap.running_table.computed + bs - 1) // bs).sum())
-        return held / snap.config.num_gpu_blocks
+        return held_blocks(snap.running_table.computed, snap.config.block_size) / (
+            snap.config.num_gpu_blocks)
 
     @property
     def stats(self) -> InstanceStats:
@@ -188,24 +186,17 @@ class InstanceState:
         if now - self._last_sync < self.pool.state.sync_interval_s:
             return
         self._last_sync = now
-        fl = [f for f in self.flights.values() if f.tokens >= 1 and f.row >= 0]
+        fl = [f for f in self.flights.values() if f.tokens >= 1 and f.shadowed]
         if fl:
-            rows = np.fromiter((f.row for f in fl), dtype=np.int64, count=len(fl))
             outs = np.fromiter((f.tokens for f in fl), dtype=np.int64, count=len(fl))
-            if self.shadow.observe_many(rows, outs):
+            if self.shadow.observe_many([f.id for f in fl], outs):
                 self._version += 1
 
     def shadow_snapshot(self, now: float | None = None) -> Snapshot:
         now = time.monotonic() if now is None else now
         self._advance(now)
         self._sync(now)
-        eng = self.shadow
-        key = (eng.steps, self._version, eng.time)
-        if self._shadow_cache is not None and self._shadow_cache[0] == key:
-            return self._shadow_cache[1]
-        snap = eng.snapshot()
-        self._shadow_cache = (key, snap)
-        return snap
+        return self.shadow.snapshot()
 
     # -- published snapshots ----------------------------------------------------------------------
 
@@ -214,7 +205,7 @@ class InstanceState:
         """A snapshot fetched between ``sent`` and ``received`` (gateway clock) from an instance
         whose clock read ``instance_clock`` when it answered."""
         offset = (sent + received) / 2 - instance_clock
-        self._published = snapshot_with_offset(snap, offset)
+        self._published = snap.shifted(offset)
         self._published_at = received
         self._published_version += 1
 
@@ -228,8 +219,7 @@ class InstanceState:
             snap = self._merged[1]
             if snap.time >= now - 1e-3:
                 return snap
-            snap = Snapshot(snap.config, snap.model, time=now, running=snap.running_table,
-                            waiting=snap.waiting_table)
+            snap = snap.at(now)
             self._merged = (key, snap)
             return snap
         pub = self._published
@@ -285,8 +275,9 @@ class InstanceState:
                 eng.set_clock(now)
             else:
                 self._advance(now)
-            f.row = eng.add(fid, prompt_tokens, eng.config.max_model_len,
-                            predicted_output_tokens=predicted, arrival=now)
+            eng.add(fid, prompt_tokens, eng.config.max_model_len,
+                    predicted_output_tokens=predicted, arrival=now)
+            f.shadowed = True
         self.flights[fid] = f
         self._arrivals.append((now, prompt_tokens))
         self._version += 1
@@ -296,7 +287,7 @@ class InstanceState:
     def first_token(self, f: Flight, now: float) -> None:
         f.first_token = now
         f.tokens = max(f.tokens, 1)
-        if f.row >= 0:
+        if f.shadowed:
             self._advance(now)
             self.shadow.observe(f.id, f.tokens)
         self._version += 1
@@ -305,7 +296,7 @@ class InstanceState:
         """The attempt ended (finished, failed or cancelled): it leaves the replica."""
         if self.flights.pop(f.id, None) is None:
             return
-        if f.row >= 0:
+        if f.shadowed:
             self.shadow.abort(f.id)
         done = self._done
         done[f.id] = now
@@ -319,12 +310,6 @@ class InstanceState:
             self._finished.append((f.dispatched, f.first_token, now, output_tokens))
         self._version += 1
         self.metrics.in_flight.labels(self.name).dec()
-        eng = self.shadow
-        if eng.rows_used > 4096 and eng.rows_used > 4 * (len(self.flights) + 1):
-            rows = eng.compact()
-            for fl in self.flights.values():
-                fl.row = rows.get(fl.id, -1)
-            self._shadow_cache = None
 
     # -- health -----------------------------------------------------------------------------------
 

@@ -19,9 +19,10 @@ import numpy as np
 
 from duetime.engine.compiled import Engine
 from duetime.engine.snapshot import Snapshot
+from duetime.engine.spec import InstanceSpec
 from duetime.estimate.base import Estimator, InstanceStats
 from duetime.policy.base import Candidate, Policy, RoutingRequest
-from duetime.workload.profile import ModelSpec, WorkloadProfile
+from duetime.workload.profile import WorkloadProfile
 from duetime.workload.requests import RequestSet
 
 STATS_WINDOW = 256  # recent requests an instance's time-averaged stats look at
@@ -33,13 +34,11 @@ LengthModel = Callable[[RequestSet, np.random.Generator], np.ndarray]
 class SimInstance:
     """One simulated instance and the live view of it a router gets."""
 
-    def __init__(self, name: str, spec: ModelSpec, *, noise: float = 0.0) -> None:
+    def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0) -> None:
         self.name = name
         self.spec = spec
         self.engine = Engine(spec.config, spec.batch_time, noise=noise)
         self.now = 0.0
-        self._snap: Snapshot | None = None
-        self._snap_key: tuple[int, int, float] = (-1, -1, -1.0)
 
     # InstanceView
     @property
@@ -52,37 +51,28 @@ class SimInstance:
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.engine.free_blocks / self.spec.config.num_gpu_blocks
+        return self.engine.kv_usage
 
     request_overhead_s = 0.0  # the simulator's requests reach the engine at once
 
     def snapshot(self) -> Snapshot:
-        key = (self.engine.steps, len(self.engine._ids), self.engine.time)
-        if key != self._snap_key:
-            self._snap = self.engine.snapshot()
-            self._snap_key = key
-        return self._snap  # type: ignore[return-value]
+        return self.engine.snapshot()
 
     @property
     def stats(self) -> InstanceStats:
         """Averages over the instance's last ``STATS_WINDOW`` requests, as seen at ``now``."""
-        eng = self.engine
-        n = len(eng._ids)
-        lo = max(0, n - STATS_WINDOW)
-        if n == lo:
+        h = self.engine.history(last=STATS_WINDOW)
+        if not len(h):
             return InstanceStats()
-        arrival = eng._arrival[lo:n]
-        stamps = eng.stamps()[lo:n]
-        first, fin = stamps[:, 0], stamps[:, 1]
+        arrival, first, fin = h.arrival, h.first_token, h.finish_time
         got_first = first <= self.now
         done = fin <= self.now
-        req = eng._req[lo:n]
         return InstanceStats(
-            elapsed_s=max(self.now - float(arrival[0]), 1e-9), arrivals=n - lo,
+            elapsed_s=max(self.now - float(arrival[0]), 1e-9), arrivals=len(h),
             ttft_s_sum=float((first - arrival)[got_first].sum()),
             ttft_count=int(got_first.sum()),
             e2e_s_sum=float((fin - arrival)[done].sum()), e2e_count=int(done.sum()),
-            prompt_tokens_sum=int(req[:, 0].sum()), output_tokens_sum=int(req[done, 1].sum()))
+            prompt_tokens_sum=int(h.prompt.sum()), output_tokens_sum=int(h.output[done].sum()))
 
 
 @dataclass(slots=True)
@@ -202,7 +192,6 @@ class ClusterSim:
         forecast = np.full(n, np.nan)
         shadow = {est.name: np.full(n, np.nan) for est in self.shadow_estimators}
         overhead = np.zeros(n)
-        rows = np.zeros(n, dtype=np.int64)
 
         def dispatch(i: int, t: float) -> None:
             """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``)."""
@@ -220,9 +209,8 @@ class ClusterSim:
             if self.charge_overhead:  # the request reaches the instance after the decision
                 inst.engine.run_until(t + overhead[i])
             mi = inst_model[d.index]
-            rows[i] = inst.engine.add(str(i), int(requests.prompt[i]),
-                                      int(requests.output[i, mi]),
-                                      predicted_output_tokens=int(pred_out[i, mi]), arrival=t)
+            inst.engine.add(str(i), int(requests.prompt[i]), int(requests.output[i, mi]),
+                            predicted_output_tokens=int(pred_out[i, mi]), arrival=t)
             chosen[i] = d.index
             if d.forecast is not None:
                 forecast[i] = d.forecast
@@ -240,9 +228,9 @@ class ClusterSim:
         for k, inst in enumerate(insts):
             inst.engine.drain()
             mine = np.flatnonzero(chosen == k)
-            stamps = inst.engine.stamps()
-            first[mine] = stamps[rows[mine], 0]
-            fin[mine] = stamps[rows[mine], 1]
+            done = inst.engine.lookup([str(i) for i in mine.tolist()])
+            first[mine] = done.first_token
+            fin[mine] = done.finish_time
         prices = np.array([[prof.models[m].price_prompt, prof.models[m].price_output]
                            for m in models])
         return SimResult(requests, [name for name, _ in self.pairs], inst_model, chosen, first,

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from duetime.engine.spec import InstanceSpec
 from duetime.policy.base import Candidate, Policy, RoutingRequest
 from duetime.sim.cluster import SimInstance
-from duetime.workload.profile import ModelSpec
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class RetryResult:
         return np.array(out)
 
 
-def run_retries(models: dict[str, ModelSpec], policy: Policy, prompt_tokens: np.ndarray,
+def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: np.ndarray,
                 output_tokens: np.ndarray, correct: np.ndarray, success_pred: np.ndarray, *,
                 clients: int = 8, retry_cap: int = 10, length_error: float = 0.0,
                 seed: int = 0) -> RetryResult:

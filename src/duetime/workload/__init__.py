@@ -2,7 +2,6 @@
 
 from duetime.workload.arrivals import MMPP2, Deterministic, Poisson, make_arrivals
 from duetime.workload.profile import (
-    ModelSpec,
     ProfileError,
     TargetRule,
     TaskSpec,
@@ -16,7 +15,6 @@ from duetime.workload.requests import RequestSet, load_trace, sample_requests
 __all__ = [
     "MMPP2",
     "Deterministic",
-    "ModelSpec",
     "Poisson",
     "ProfileError",
     "RequestSet",

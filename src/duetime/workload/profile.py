@@ -15,9 +15,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from duetime.engine.batch_time import BatchTimeModel, model_from_dict
-from duetime.engine.config import SchedulerConfig
-from duetime.engine.profiles import load_profile
+from duetime.engine.spec import InstanceSpec, resolve_spec
 
 
 class ProfileError(ValueError):
@@ -36,21 +34,6 @@ class LogNormal:
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         x = np.exp(rng.normal(math.log(self.median), self.sigma, n))
         return np.clip(np.rint(x), self.lo, self.hi).astype(np.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSpec:
-    """A model of the pool: its instance's engine profile and its prices (USD per Mtok)."""
-
-    name: str
-    batch_time: BatchTimeModel
-    config: SchedulerConfig
-    price_prompt: float
-    price_output: float
-
-    def cost(self, prompt_tokens, output_tokens):
-        """Cost in micro-dollars (USD per million tokens x tokens)."""
-        return self.price_prompt * prompt_tokens + self.price_output * output_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +71,7 @@ class TargetRule:
 class WorkloadProfile:
     name: str
     lam: float
-    models: dict[str, ModelSpec]
+    models: dict[str, InstanceSpec]  # model name -> its instances' spec (with prices)
     tasks: dict[str, TaskSpec]
     quality_concentration: float
     target: TargetRule
@@ -146,30 +129,19 @@ def _per_model(d: Any, models: list[str], where: str, default: float | None = No
     return out
 
 
-def _model(name: str, d: Any, where: str) -> ModelSpec:
+def _model(name: str, d: Any, where: str) -> InstanceSpec:
     if not isinstance(d, dict):
         raise ProfileError(f"{where}: must be a mapping")
     try:
-        if "profile" in d:
-            prof = load_profile(d["profile"])
-            model, config = prof.model, prof.config
-        else:
-            model, config = None, None
-        if "batch_time" in d:
-            model = model_from_dict(d["batch_time"], f"{where}.batch_time")
-        if "config" in d:
-            config = SchedulerConfig(**{**(config.to_dict() if config else {}), **d["config"]})
-    except (KeyError, TypeError, ValueError) as e:
-        raise ProfileError(f"{where}: {e}") from None
-    if model is None or config is None:
-        raise ProfileError(f"{where}: needs 'profile' (a built-in engine profile) or both "
-                           "'batch_time' and 'config'")
+        spec = resolve_spec(name, profile=d.get("profile"), batch_time=d.get("batch_time"),
+                            config=d.get("config"), where=where)
+    except ValueError as e:
+        raise ProfileError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     price = d.get("price_usd_per_mtok")
     if not isinstance(price, dict):
         raise ProfileError(f"{where}.price_usd_per_mtok: must be a mapping with prompt, output")
-    return ModelSpec(name, model, config, _num(price, "prompt", f"{where}.price_usd_per_mtok",
-                                                lo=0),
-                     _num(price, "output", f"{where}.price_usd_per_mtok", lo=0))
+    return spec.priced(_num(price, "prompt", f"{where}.price_usd_per_mtok", lo=0),
+                       _num(price, "output", f"{where}.price_usd_per_mtok", lo=0))
 
 
 def profile_from_dict(d: Any, source: str = "profile") -> WorkloadProfile:

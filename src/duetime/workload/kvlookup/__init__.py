@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from duetime.engine.batch_time import BatchTimeModel, model_from_dict
-from duetime.engine.config import SchedulerConfig
+from duetime.engine.spec import InstanceSpec, resolve_spec
 
 FRAMES = {
     "en": ("JSON data: ", "\nKey: {key}. The value associated with the specified key is:"),
@@ -112,10 +111,14 @@ def generate(n: int = 100, contexts: tuple[int, ...] = (4096, 8192, 16384, 32768
 
 @dataclass(frozen=True, slots=True)
 class PoolModel:
-    name: str
-    batch_time: BatchTimeModel
-    config: SchedulerConfig
+    """A model of the pool: its instance spec and its success rate per language and context."""
+
+    spec: InstanceSpec
     success: dict[str, tuple[float, ...]]   # language -> per context length
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
     def p_success(self, language: str, context_index: int) -> float:
         return self.success[language][context_index]
@@ -148,8 +151,8 @@ def load_pool(path: str | Path | None = None) -> Pool:
         scale = {"en": 1.0, **{k: float(v) for k, v in (m.get("language_scale") or {}).items()}}
         success = {lang: tuple(min(1.0, max(0.0, p * scale.get(lang, 1.0))) for p in base)
                    for lang in languages}
-        models[name] = PoolModel(name, model_from_dict(m["batch_time"],
-                                                       f"{source}: models.{name}.batch_time"),
-                                 SchedulerConfig(**m["config"]), success)
+        spec = resolve_spec(name, batch_time=m["batch_time"], config=m["config"],
+                            where=f"{source}: models.{name}")
+        models[name] = PoolModel(spec, success)
     return Pool(models, contexts, languages, float(d["alpha"]), int(d["retry_cap"]),
                 int(d["concurrency"]), int(d["output_tokens"]))

@@ -1,4 +1,4 @@
-"""``LiveEngine``: abort, observe and compact keep the engine's invariants and its rules."""
+"""The engine's live operations: abort, observe and compact keep its invariants and its rules."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import random
 import numpy as np
 import pytest
 
-from duetime.emulator.live import LiveEngine
 from duetime.engine import Engine, Sfs6, load_profile
 from duetime.engine.config import SchedulerConfig
 
@@ -27,7 +26,7 @@ def _finish_times(eng: Engine, ids: list[str]) -> dict[str, tuple[float, float]]
 
 
 def test_abort_before_start_equals_never_added():
-    a, b = LiveEngine(SMALL, MODEL), Engine(SMALL, MODEL)
+    a, b = Engine(SMALL, MODEL), Engine(SMALL, MODEL)
     for rid, p, s in [("x", 300, 20), ("y", 700, 10), ("z", 200, 30)]:
         a.add(rid, p, s)
         if rid != "y":
@@ -41,7 +40,7 @@ def test_abort_before_start_equals_never_added():
 @pytest.mark.parametrize("seed", range(6))
 def test_random_aborts_keep_invariants(seed):
     rng = random.Random(seed)
-    eng = LiveEngine(SMALL, MODEL)
+    eng = Engine(SMALL, MODEL)
     live: list[str] = []
     for k in range(60):
         if rng.random() < 0.6:
@@ -60,7 +59,7 @@ def test_random_aborts_keep_invariants(seed):
 
 
 def test_observe_moves_a_waiting_request_to_running():
-    eng = LiveEngine(SMALL, MODEL)
+    eng = Engine(SMALL, MODEL)
     eng.add("a", 500, 50)   # takes the whole budget in step 1
     eng.add("b", 100, 50)
     assert eng.waiting_ids() == ["a", "b"]
@@ -77,7 +76,7 @@ def test_observe_moves_a_waiting_request_to_running():
 def test_observe_many_matches_observe_one_by_one():
     rng = random.Random(3)
     cfg = load_profile("qwen3-8b").config
-    one, many = LiveEngine(cfg, MODEL), LiveEngine(cfg, MODEL)
+    one, many = Engine(cfg, MODEL), Engine(cfg, MODEL)
     ids = []
     for k in range(30):
         p = rng.randint(10, 3000)
@@ -92,8 +91,7 @@ def test_observe_many_matches_observe_one_by_one():
     outs = {rid: one.request(rid)["output_tokens"] + rng.randint(0, 5) for rid in running}
     for rid, n in outs.items():
         one.observe(rid, n)
-    rows = np.array([many.row(r) for r in outs])
-    assert many.observe_many(rows, np.array(list(outs.values()))) >= 1
+    assert many.observe_many(list(outs), np.array(list(outs.values()))) >= 1
     for rid in ids:
         assert one.request(rid) == many.request(rid)
     one.check_invariants()
@@ -102,7 +100,7 @@ def test_observe_many_matches_observe_one_by_one():
 
 def test_compact_changes_nothing_but_memory():
     rng = random.Random(7)
-    a, b = LiveEngine(SMALL, MODEL), LiveEngine(SMALL, MODEL)
+    a, b = Engine(SMALL, MODEL), Engine(SMALL, MODEL)
     ids = []
     for k in range(200):
         p, s = rng.randint(1, 400), rng.randint(1, 30)
@@ -112,13 +110,36 @@ def test_compact_changes_nothing_but_memory():
         for eng in (a, b):
             eng.step()
         if k % 37 == 36:
-            rows = b.compact()
+            b.compact()
             b.check_invariants()
-            assert set(rows) == set(b.running_ids()) | set(b.waiting_ids())
-    assert b.rows_used < a.rows_used
+            assert b.num_added == len(b.running_ids()) + len(b.waiting_ids())
+    assert b.num_added < a.num_added
     live = set(b.running_ids()) | set(b.waiting_ids())
     assert a.running_ids() == b.running_ids() and a.waiting_ids() == b.waiting_ids()
     a.drain()
     b.drain()
     for rid in live:
         assert a.request(rid) == b.request(rid)
+
+
+def test_without_retained_history_the_engine_compacts_itself():
+    """A long-running server's engine (retain_finished=False) keeps its memory bounded and its
+    rules: the same requests finish at the same times as in an engine that keeps everything."""
+    from duetime.engine.compiled import COMPACT_AT
+
+    rng = random.Random(11)
+    keep, lean = Engine(SMALL, MODEL), Engine(SMALL, MODEL, retain_finished=False)
+    for k in range(3 * COMPACT_AT):
+        p, s = rng.randint(1, 200), rng.randint(1, 5)
+        for eng in (keep, lean):
+            eng.add(f"r{k}", p, s)
+            eng.step()
+    lean.check_invariants()
+    assert keep.num_added == 3 * COMPACT_AT and lean.num_added <= COMPACT_AT
+    assert lean.running_ids() == keep.running_ids() and lean.waiting_ids() == keep.waiting_ids()
+    live = lean.running_ids() + lean.waiting_ids()
+    keep.drain()
+    lean.drain()
+    for rid in live:
+        assert keep.request(rid) == lean.request(rid)
+    assert lean.history().ids[-1] == keep.history().ids[-1]
