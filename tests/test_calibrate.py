@@ -18,11 +18,12 @@ from duetime.calibrate import (
     prefill_row,
 )
 from duetime.cli import main
-from duetime.emulator import AppServer, Emulator, create_app
+from duetime.emulator import Emulator, create_app
 from duetime.engine.batch_time import Paper4
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.request import Request
 from duetime.engine.scheduler import ReferenceEngine
+from duetime.serving.server import AppServer
 
 CFG = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048,
                       block_size=16, num_gpu_blocks=4096, long_prefill_token_threshold=0)

@@ -25,8 +25,9 @@ import httpx
 import pytest
 
 from duetime.emulator import Faults
-from duetime.emulator.protocol import chat_tokens
-from duetime.gateway import Service, pool_from_dict
+from duetime.gateway import pool_from_dict
+from duetime.service import Service
+from duetime.serving.tokens import chat_tokens
 
 PRICE = {"prompt": 0.1, "output": 0.3}
 

@@ -6,7 +6,9 @@ import pytest
 
 from duetime.cli import main
 from duetime.engine import load_profile
-from duetime.gateway import ConfigError, demo_pool, load_pool, pool_from_dict
+from duetime.gateway import ConfigError, load_pool, pool_from_dict
+from duetime.service import demo_pool
+from duetime.service import pool_from_dict as service_pool_from_dict
 
 GOOD = """\
 policy: sfs-soft
@@ -54,7 +56,7 @@ def test_a_good_config_resolves(tmp_path):
 def test_demo_pool():
     pool = demo_pool(speed=3)
     assert [i.model for i in pool.instances] == ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"]
-    assert all(i.emulate is not None and i.emulate.speed == 3 for i in pool.instances)
+    assert all(i.emulate is not None and i.emulate["speed"] == 3 for i in pool.instances)
     assert set(pool.quality) == {"alpaca", "hotpotqa", "govreport", "writingprompts"}
 
 
@@ -89,7 +91,7 @@ def test_demo_pool():
     ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
                      "batch_time": {"model": "sfs6", "coefficients": {"c0": 1}},
                      "config": {"max_num_seqs": 8}}]},
-     "pool.yaml: instances[0]:"),
+     "pool.yaml: instances[0].batch_time.coefficients: missing"),
     ({"quality": {"default_task": "chess"}}, "pool.yaml: quality.default_task: unknown task"),
     ({"quality": {"workload": "nowhere.yaml"}}, "pool.yaml: quality.workload: nowhere.yaml"),
     ({"quality": {"tasks": {"chat": {"qwen3-8b": 1.5}}}}, "pool.yaml: quality.tasks:"),
@@ -107,8 +109,24 @@ def test_config_errors_name_file_field_and_reason(edit, message):
     base = {"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
                            "profile": "qwen3-8b"}]}
     with pytest.raises(ConfigError) as e:
-        pool_from_dict({**base, **edit}, "pool.yaml")
+        service_pool_from_dict({**base, **edit}, "pool.yaml")
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_the_gateway_leaves_an_embedded_instances_options_to_the_service():
+    """The gateway reads an emulate block's speed (its timing); the emulator's own options are
+    checked by the service that starts it (duetime.service), also at Service()."""
+    from duetime.service import Service
+
+    cfg = {"instances": [{"name": "x", "model": "qwen3-8b",
+                          "emulate": {"speed": 2, "fail_kinds": ["gremlins"]}}]}
+    pool = pool_from_dict(cfg, "pool.yaml")
+    assert pool.instances[0].batch_time == load_profile("qwen3-8b").batch_time.scaled(2)
+    with pytest.raises(ConfigError, match=r"instances\[0\]\.emulate\.fail_kinds: must be"):
+        Service(pool)
+    with pytest.raises(ConfigError, match=r"instances\[0\]\.emulate\.speed: Input should be"):
+        pool_from_dict({"instances": [{"name": "x", "model": "qwen3-8b",
+                                       "emulate": {"speed": 0}}]}, "pool.yaml")
 
 
 def test_file_errors(tmp_path):
@@ -166,8 +184,8 @@ def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from duetime.emulator.protocol import parse_completion
     from duetime.gateway.app import Gateway
+    from duetime.serving.requests import parse_completion
 
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from duetime.cli import main
-from duetime.gateway import ConfigError, Service, pool_from_dict
+from duetime.gateway import ConfigError, pool_from_dict
+from duetime.service import Service
 
 PRICE = {"prompt": 0.1, "output": 0.2}
 

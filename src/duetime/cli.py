@@ -5,7 +5,7 @@ Subcommands: ``forecast`` (TTFT / end-to-end forecast from a snapshot JSON), ``p
 ``forecast``), ``demo`` (forecasts on a busy instance for every profile); and, registered by
 their packages: ``simulate`` / ``experiment`` (``duetime.experiments.cli``), ``workload``
 (``duetime.workload.cli``), ``predict`` (``duetime.predict.cli``), ``emulate``
-(``duetime.emulator.cli``) and ``serve`` (``duetime.gateway.cli``).
+(``duetime.emulator.cli``) and ``serve`` (``duetime.service.cli``).
 
 Bad input (unreadable file, invalid JSON, invalid snapshot, invalid probe, bad arguments) is
 reported as one line ``duetime: error: ...`` on stderr with exit status 2, never a traceback.
@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_commands(sub, command, CliError)
     from duetime.emulator.cli import add_commands as add_emulator_commands
     add_emulator_commands(sub, command, CliError)
-    from duetime.gateway.cli import add_commands as add_gateway_commands
+    from duetime.service.cli import add_commands as add_gateway_commands
     add_gateway_commands(sub, command, CliError)
     from duetime.calibrate.cli import add_commands as add_calibrate_commands
     add_calibrate_commands(sub, command, CliError)

@@ -38,7 +38,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from duetime.gateway import Service, pool_from_dict
+from duetime.gateway import pool_from_dict
+from duetime.service import Service
 
 from .gateway_pool import instance_config, pool_config
 

@@ -6,10 +6,9 @@ real time and releases each step's tokens when the step ends. ``duetime emulate`
 """
 
 from duetime.emulator.app import create_app
-from duetime.emulator.core import Emulator, EmuRequest, Faults
-from duetime.emulator.serving import AppServer, ServeError
+from duetime.emulator.core import FAULT_KINDS, Emulator, EmuRequest, Faults
 
-__all__ = ["AppServer", "EmuRequest", "Emulator", "Faults", "ServeError", "create_app",
+__all__ = ["FAULT_KINDS", "EmuRequest", "Emulator", "Faults", "create_app",
            "emulator_from_profile"]
 
 

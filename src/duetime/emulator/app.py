@@ -32,25 +32,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from duetime.emulator.core import FAULT_KINDS, Emulator, EmuRequest, Faults
-from duetime.emulator.protocol import (
-    SSE_HEADERS,
-    ApiError,
-    CompletionRequest,
+from duetime.serving.asgi import (
+    CompletionEndpoint,
     Disconnect,
-    Receive,
+    FastRoutes,
     Scope,
     Send,
     header,
-    parse_completion,
-    parse_json,
-    parse_tokenize,
-    read_body,
     send_error,
     send_json,
 )
+from duetime.serving.errors import ApiError
+from duetime.serving.requests import CompletionRequest, parse_completion, parse_json, parse_tokenize
+from duetime.serving.sse import DONE, SSE_HEADERS
 
 TOKEN_TEXT = "tok "
-DONE = b"data: [DONE]\n\n"
 
 
 class InjectedDisconnect(Exception):
@@ -100,25 +96,16 @@ class _Chunks:
 
 
 class Completions:
-    """``/v1/completions`` or ``/v1/chat/completions`` (raw ASGI: the handler is cancelled when
-    the client disconnects, and then the request is aborted in the engine)."""
+    """``/v1/completions`` or ``/v1/chat/completions``, the handler of a raw-ASGI
+    :class:`~duetime.serving.asgi.CompletionEndpoint` (cancelled when the client disconnects,
+    and then the request is aborted in the engine)."""
 
     def __init__(self, emu: Emulator, *, chat: bool) -> None:
         self.emu = emu
         self.chat = chat
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            raw = await read_body(receive)
-        except ApiError as e:
-            await send_error(send, e)
-            return
-        if raw is None:
-            return
-        guard = Disconnect(send)
-        await guard.run(receive, self._handle(scope, raw, guard.send))
-
-    async def _handle(self, scope: Scope, raw: bytes, send: Send) -> None:
+    async def __call__(self, scope: Scope, raw: bytes, guard: Disconnect, t0: float) -> None:
+        send = guard.send
         emu = self.emu
         try:
             req = parse_completion(raw, chat=self.chat)
@@ -221,7 +208,7 @@ def _error(e: ApiError) -> Response:
     return Response(e.encode(), status_code=e.status, media_type="application/json")
 
 
-def create_app(emu: Emulator) -> Starlette:
+def create_app(emu: Emulator) -> FastRoutes:
     """The emulator's ASGI app (the engine's driver starts with the first request)."""
 
     async def models(request: Request) -> Response:
@@ -278,9 +265,11 @@ def create_app(emu: Emulator) -> Starlette:
         yield
         await emu.close()
 
+    chat = CompletionEndpoint(Completions(emu, chat=True))
+    completions = CompletionEndpoint(Completions(emu, chat=False))
     routes = [
-        Route("/v1/chat/completions", Completions(emu, chat=True), methods=["POST"]),
-        Route("/v1/completions", Completions(emu, chat=False), methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -291,4 +280,4 @@ def create_app(emu: Emulator) -> Starlette:
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.emulator = emu
-    return app
+    return FastRoutes(app, {"/v1/chat/completions": chat, "/v1/completions": completions})

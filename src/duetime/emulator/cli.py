@@ -13,12 +13,9 @@ from duetime.engine.profiles import profile_names
 log = logging.getLogger("duetime.emulator")
 
 
-
-
-
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.emulator import AppServer, Faults, ServeError, create_app, emulator_from_profile
-    from duetime.emulator.serving import shutdown_signals
+    from duetime.emulator import Faults, create_app, emulator_from_profile
+    from duetime.serving.server import AppServer, ServeError, shutdown_signals
 
     try:
         faults = Faults(args.fail_rate, tuple(k.strip() for k in args.fail_kinds.split(",")
@@ -46,7 +43,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _cmd_emulate(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.emulator.serving import run, setup_logging
+    from duetime.serving.logs import setup_logging
+    from duetime.serving.server import run
 
     setup_logging(args.log_level)
     return run(_serve(args, error))

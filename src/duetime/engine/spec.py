@@ -74,6 +74,8 @@ def resolve_spec(name: str, *, profile: str | None = None,
         except TypeError as e:
             raise ValueError(f"{prefix}config: {e}") from None
     if model is None or cfg is None:
-        raise ValueError(f"{prefix}needs profile (a built-in engine profile) or both "
-                         "batch_time and config")
+        from duetime.engine.profiles import profile_names
+        raise ValueError(f"{prefix}needs profile (a built-in engine profile: "
+                         f"{', '.join(profile_names())}) or both batch_time and config (the "
+                         "instance's batch-time model and scheduler config)")
     return InstanceSpec(name, model, cfg, description=description)

@@ -33,21 +33,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from duetime.emulator.protocol import (
-    SSE_HEADERS,
-    ApiError,
-    CompletionRequest,
-    Disconnect,
-    Receive,
-    Scope,
-    Send,
-    content_text,
-    header,
-    parse_completion,
-    read_body,
-    send_error,
-    send_json,
-)
 from duetime.engine.snapshot import Snapshot, SnapshotError
 from duetime.engine.warmup import warm_up
 from duetime.gateway.config import Pool
@@ -56,6 +41,19 @@ from duetime.gateway.state import Flight, InstanceState
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.policy import make_policy
 from duetime.policy.base import RoutingRequest
+from duetime.serving.asgi import (
+    CompletionEndpoint,
+    Disconnect,
+    FastRoutes,
+    Scope,
+    Send,
+    header,
+    send_error,
+    send_json,
+)
+from duetime.serving.errors import ApiError
+from duetime.serving.requests import CompletionRequest, parse_completion, prompt_texts
+from duetime.serving.sse import SSE_HEADERS, error_event, payload, split_events
 
 log = logging.getLogger("duetime.gateway")
 
@@ -109,22 +107,6 @@ class _Stream:
     id: str | None = None
     created: int | None = None
     model: str | None = None
-
-
-def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
-    """Complete SSE events (without their blank-line terminator) and the incomplete rest."""
-    if b"\r\n" in buf:
-        buf = buf.replace(b"\r\n", b"\n")
-    parts = buf.split(b"\n\n")
-    return [p for p in parts[:-1] if p], parts[-1]
-
-
-def _payload(ev: bytes) -> bytes | None:
-    """The data of an SSE event (``data: ...``), None for comments and other fields."""
-    for line in ev.split(b"\n"):
-        if line.startswith(b"data:"):
-            return line[5:].lstrip()
-    return None
 
 
 class Gateway:
@@ -370,7 +352,7 @@ class Gateway:
         tok = self.tokenizer
         assert tok is not None
         if req.chat:
-            return 3 + sum(4 + (tok.count(t) if t else 0) for t in _texts(req))
+            return 3 + sum(4 + (tok.count(t) if t else 0) for t in prompt_texts(req))
         prompt = req.body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -382,7 +364,7 @@ class Gateway:
         and median output length, from the trained predictors."""
         from duetime.predict.quality_source import Query
 
-        text = "\n".join(_texts(req))
+        text = "\n".join(prompt_texts(req))
         models = self.pool.models
         preds = self.trained.predict(Query(text, None if ctl.task == "*" else ctl.task,
                                            tokens=req.prompt_tokens), models)
@@ -518,7 +500,7 @@ class Gateway:
                     if out:
                         await send({"type": "http.response.body", "body": out,
                                     "more_body": True})
-                tail = b"" if st.done else _error_event(
+                tail = b"" if st.done else error_event(
                     st.error or b"upstream stream ended without [DONE]")
                 await send({"type": "http.response.body", "body": tail})
                 if st.done:
@@ -567,7 +549,7 @@ class Gateway:
         """Account for upstream events; return the bytes to forward to a streaming client."""
         out: list[bytes] = []
         for ev in events:
-            data = _payload(ev)
+            data = payload(ev)
             if data is None:
                 continue
             if data == b"[DONE]":
@@ -629,7 +611,7 @@ class Gateway:
 
     # -- the app ----------------------------------------------------------------------------------
 
-    def app(self) -> _Dispatch:
+    def app(self) -> FastRoutes:
         gw = self
 
         async def models(request: Request) -> Response:
@@ -662,7 +644,10 @@ class Gateway:
             finally:
                 await gw.close()
 
-        chat, completions = _Endpoint(gw, chat=True), _Endpoint(gw, chat=False)
+        chat = CompletionEndpoint(lambda scope, raw, guard, t0: gw.serve(scope, raw, True,
+                                                                         guard, t0))
+        completions = CompletionEndpoint(lambda scope, raw, guard, t0: gw.serve(
+            scope, raw, False, guard, t0))
         routes = [
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
@@ -673,60 +658,7 @@ class Gateway:
         ]
         app = Starlette(routes=routes, lifespan=lifespan)
         app.state.gateway = gw
-        return _Dispatch(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
-
-
-class _Dispatch:
-    """The completion routes straight to their handlers, everything else through Starlette.
-
-    Why: Starlette's middleware stack wraps every ``send`` of a streamed response in three
-    closures; with a message per token that was ~15% of the gateway's time per request
-    (py-spy on ``benchmarks/gateway_overhead.py``). The handlers answer their own errors, so
-    the stack adds nothing on these two routes. A GET there still gets Starlette's 405.
-    """
-
-    def __init__(self, app: Starlette, fast: dict[str, _Endpoint]) -> None:
-        self.app = app
-        self.fast = fast
-        self.state = app.state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self.fast.get(scope["path"])
-            if handler is not None:
-                await handler(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _Endpoint:
-    """A completions route as a raw ASGI app (cancelled when its client disconnects)."""
-
-    def __init__(self, gw: Gateway, *, chat: bool) -> None:
-        self.gw = gw
-        self.chat = chat
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        t0 = time.monotonic()
-        try:
-            raw = await read_body(receive)
-        except ApiError as e:
-            await send_error(send, e)
-            return
-        if raw is None:
-            return
-        guard = Disconnect(send)
-        await guard.run(receive, self.gw.serve(scope, raw, self.chat, guard, t0))
-
-
-def _texts(req: CompletionRequest) -> list[str]:
-    """The prompt's text: one string per chat message (text parts joined), or the prompt."""
-    body = req.body
-    if req.chat:  # (parse_completion has checked that messages is a list of objects)
-        return [content_text(m.get("content")) for m in body.get("messages") or []]
-    prompt = body.get("prompt")
-    return [prompt if isinstance(prompt, str) else " ".join(
-        x for x in prompt or [] if isinstance(x, str))]
+        return FastRoutes(app, {"/v1/chat/completions": chat, "/v1/completions": completions})
 
 
 def _brief(data: bytes, limit: int = 200) -> str:
@@ -735,13 +667,6 @@ def _brief(data: bytes, limit: int = 200) -> str:
         text = json.loads(text)["error"]["message"]
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _error_event(message: bytes) -> bytes:
-    if message.startswith(b"{"):
-        return b"data: " + message + b"\n\n"
-    err = ApiError(502, message.decode(errors="replace"), code="upstream_broken")
-    return b"data: " + err.encode() + b"\n\n"
 
 
 def _collect(st: _Stream, data: bytes) -> None:

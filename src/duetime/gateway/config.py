@@ -12,10 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from duetime.emulator.core import FAULT_KINDS
-from duetime.engine.batch_time import BatchTimeModel, model_from_dict
+from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.profiles import load_profile, profile_names
+from duetime.engine.profiles import profile_names
+from duetime.engine.spec import InstanceSpec, resolve_spec
 from duetime.policy import POLICY_NAMES
 
 ALIAS_DEFAULT = "auto"
@@ -34,29 +34,21 @@ class Prices(_Strict):
     output: float = Field(ge=0)
 
 
-class EmulateSpec(_Strict):
-    """Start an in-process emulator for this instance (instead of ``url``)."""
+class EmbeddedSpec(BaseModel):
+    """``emulate:`` an instance that the service running the gateway starts in-process (an
+    emulator) instead of ``url``; its URL is filled in once it listens. The gateway reads its
+    ``speed`` (the instance's timing); the other keys are the embedded emulator's options,
+    validated by the service that starts it (:mod:`duetime.service`)."""
 
+    model_config = ConfigDict(extra="allow")
     speed: float = Field(1.0, gt=0)
-    seed: int = 0
-    output_median: float = Field(200.0, gt=0)
-    fail_rate: float = Field(0.0, ge=0, le=1)
-    fail_kinds: list[str] = ["5xx"]
-
-    @field_validator("fail_kinds")
-    @classmethod
-    def _kinds(cls, v: list[str]) -> list[str]:
-        bad = [k for k in v if k not in FAULT_KINDS]
-        if bad or not v:
-            raise ValueError(f"must be among {', '.join(FAULT_KINDS)}, got {v}")
-        return v
 
 
-class InstanceSpec(_Strict):
+class _InstanceIn(_Strict):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
     url: str | None = None
-    emulate: EmulateSpec | None = None
+    emulate: EmbeddedSpec | None = None
     served_model: str | None = None
     profile: str | None = None
     batch_time: dict[str, Any] | None = None
@@ -129,7 +121,7 @@ class HealthSpec(_Strict):
 
 
 class PoolSpec(_Strict):
-    instances: list[InstanceSpec] = Field(min_length=1)
+    instances: list[_InstanceIn] = Field(min_length=1)
     policy: str = "sfs"
     lambda_: float = Field(5.0e-4, alias="lambda", ge=0)
     delta: float = Field(1.0e-6, ge=0)
@@ -157,18 +149,38 @@ class PoolSpec(_Strict):
 
 @dataclass(frozen=True, slots=True)
 class Instance:
+    """One upstream instance of the pool: where it is, what clients call its model, and its
+    :class:`~duetime.engine.spec.InstanceSpec` (timing in wall seconds, speed applied; limits;
+    prices; request overhead)."""
+
     name: str
     model: str
     served_model: str
-    url: str | None           # None until an embedded emulator is started
-    emulate: EmulateSpec | None
+    url: str | None                   # None until an embedded instance is started
+    emulate: dict[str, Any] | None    # the embedded instance's options (see EmbeddedSpec)
     profile: str | None
-    batch_time: BatchTimeModel  # in wall seconds (speed applied)
-    config: SchedulerConfig
-    price_prompt: float
-    price_output: float
+    spec: InstanceSpec
     snapshot: str
-    request_overhead_s: float = 0.0
+
+    @property
+    def batch_time(self) -> BatchTimeModel:
+        return self.spec.batch_time
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.spec.config
+
+    @property
+    def price_prompt(self) -> float:
+        return self.spec.price_prompt
+
+    @property
+    def price_output(self) -> float:
+        return self.spec.price_output
+
+    @property
+    def request_overhead_s(self) -> float:
+        return self.spec.request_overhead_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,13 +230,17 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _format(err: ValidationError, source: str) -> str:
+def format_errors(err: ValidationError, source: str, prefix: str = "") -> str:
+    """Pydantic's errors as ``SOURCE: FIELD: reason`` (``prefix``: where the validated part
+    sits in the config)."""
     msgs = []
     for e in err.errors():
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
-        msgs.append(f"{source}: {_loc(e['loc'])}: {msg}")
+        loc = _loc(e["loc"])
+        where = f"{prefix}.{loc}" if prefix and loc != "(top level)" else (prefix or loc)
+        msgs.append(f"{source}: {where}: {msg}")
     return "; ".join(msgs)
 
 
@@ -235,7 +251,7 @@ def pool_from_dict(data: Any, source: str = "pool") -> Pool:
     try:
         spec = PoolSpec.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format(e, source)) from None
+        raise ConfigError(format_errors(e, source)) from None
     return _resolve(spec, source)
 
 
@@ -267,20 +283,12 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                 and s.model in profile_names():
             profile = s.model
         try:
-            model = config = None
-            if profile is not None:
-                p = load_profile(profile)
-                model, config = p.batch_time, p.config
-            if s.batch_time is not None:
-                model = model_from_dict(s.batch_time, f"{w}.batch_time")
-            if s.config is not None:
-                config = SchedulerConfig(**{**(config.to_dict() if config else {}), **s.config})
-        except (TypeError, ValueError) as e:
-            raise fail(w, str(e)) from None
-        if model is None or config is None:
-            raise fail(w, "needs profile (a built-in engine profile: "
-                       f"{', '.join(profile_names())}) or both batch_time and config "
-                       "(the instance's batch-time model and scheduler config)")
+            ispec = resolve_spec(s.model, profile=profile, batch_time=s.batch_time,
+                                 config=s.config, where=w)
+        except ValueError as e:
+            msg = str(e)
+            raise ConfigError(f"{source}: {msg}" if msg.startswith(w) else
+                              f"{source}: {w}: {msg}") from None
         if s.emulate is not None and profile is None:
             raise fail(f"{w}.emulate", "an emulated instance needs a profile")
         speed = s.emulate.speed if s.emulate is not None else s.speed
@@ -292,9 +300,11 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         else:
             raise fail(f"{w}.price_usd_per_mtok", f"missing (and model {s.model!r} is not in "
                        "the quality workload); give {prompt: USD/Mtok, output: USD/Mtok}")
-        insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url, s.emulate,
-                              profile, model.scaled(speed), config, pp, po, s.snapshot,
-                              s.request_overhead_ms / 1000.0))
+        ispec = replace(ispec.scaled(speed).priced(pp, po),
+                        request_overhead_s=s.request_overhead_ms / 1000.0)
+        insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,
+                              None if s.emulate is None else s.emulate.model_dump(), profile,
+                              ispec, s.snapshot))
 
     models = list(dict.fromkeys(i.model for i in insts))
     clash = sorted(set(spec.aliases) & set(models))
@@ -367,16 +377,3 @@ def load_pool(path: str | Path) -> Pool:
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML ({' '.join(str(e).split())})") from None
     return pool_from_dict(data, source)
-
-
-DEMO_MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
-
-
-def demo_pool(*, speed: float = 1.0, policy: str = "sfs") -> Pool:
-    """Three emulated instances (Qwen3 0.6B / 8B / 32B on H100 timing), the paper's prices and
-    accuracies."""
-    return pool_from_dict({
-        "policy": policy,
-        "instances": [{"name": m, "model": m, "emulate": {"speed": speed, "seed": k}}
-                      for k, m in enumerate(DEMO_MODELS)],
-    }, "demo pool")

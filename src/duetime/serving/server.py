@@ -1,6 +1,6 @@
 """Running ASGI apps in-process with uvicorn: several servers on one event loop, ephemeral
 ports, clean shutdown on Ctrl-C (used by ``duetime emulate``, ``duetime serve``, the tests
-and the benchmark).
+and the benchmarks).
 
 uvicorn's own signal handling is for one server per process; here the caller owns the signals
 (:func:`shutdown_signals`) and stops servers in order (the gateway drains its streams before the
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import logging
 import signal
 import socket
 from collections.abc import Callable, Coroutine, Iterator
@@ -146,33 +144,3 @@ def shutdown_signals(on_first: Callable[[], None],
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
-
-
-# -- structured logs ----------------------------------------------------------------------------
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg`` and the record's
-    ``fields`` (pass ``extra={"fields": {...}}``)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        d: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname.lower(),
-                             "logger": record.name, "msg": record.getMessage()}
-        fields = getattr(record, "fields", None)
-        if fields:
-            d.update(fields)
-        if record.exc_info and record.exc_info[1] is not None:
-            d["error"] = f"{type(record.exc_info[1]).__name__}: {record.exc_info[1]}"
-        return json.dumps(d, default=str)
-
-
-def setup_logging(level: str = "info") -> None:
-    """JSON-lines logs on stderr for duetime's and uvicorn's loggers."""
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter())
-    numeric = logging.getLevelNamesMapping()[level.upper()]
-    for name in ("duetime", "uvicorn", "uvicorn.error"):
-        lg = logging.getLogger(name)
-        lg.handlers[:] = [handler] if name != "uvicorn.error" else []
-        # uvicorn's info lines (per server: started, startup complete...) are noise here
-        lg.setLevel(numeric if name == "duetime" else max(numeric, logging.WARNING))
-        lg.propagate = name == "uvicorn.error"

@@ -31,8 +31,8 @@ def _banner(service: Any, started: float) -> None:
 
 
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.emulator.serving import ServeError, shutdown_signals
-    from duetime.gateway import ConfigError, Service, demo_pool, load_pool
+    from duetime.service import ConfigError, Service, demo_pool, load_pool
+    from duetime.serving.server import ServeError, shutdown_signals
 
     started = time.perf_counter()
     try:
@@ -41,7 +41,11 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         raise error(str(e)) from None
     if args.policy:
         pool = dataclasses.replace(pool, policy=args.policy)
-    service = Service(pool, host=args.host, port=args.port, drain_timeout_s=args.drain_timeout)
+    try:
+        service = Service(pool, host=args.host, port=args.port,
+                          drain_timeout_s=args.drain_timeout)
+    except ConfigError as e:
+        raise error(str(e)) from None
     stop = asyncio.Event()
     with shutdown_signals(stop.set, service.force):
         try:
@@ -58,7 +62,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.emulator.serving import run, setup_logging
+    from duetime.serving.logs import setup_logging
+    from duetime.serving.server import run
 
     if args.config is not None and args.speed != 1.0:
         raise error("--speed applies to the demo pool only; set emulate.speed per instance in "

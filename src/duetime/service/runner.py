@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from duetime.emulator import AppServer, Emulator, Faults, create_app
-from duetime.emulator.serving import bind
+from duetime.emulator import Emulator, create_app
 from duetime.engine.profiles import load_profile
 from duetime.gateway.app import Gateway
 from duetime.gateway.config import Pool
+from duetime.service.pool import embedded_options
+from duetime.serving.server import AppServer, bind
 
 log = logging.getLogger("duetime.gateway")
 
@@ -20,7 +21,10 @@ class Service:
 
     def __init__(self, pool: Pool, *, host: str = "127.0.0.1", port: int = 0,
                  drain_timeout_s: float | None = None) -> None:
+        """Raises :class:`~duetime.gateway.ConfigError` if an ``emulate:`` block is not valid
+        emulator options."""
         self.pool = pool
+        self.options = embedded_options(pool)
         self.host = host
         self.port = port
         self.drain_timeout_s = drain_timeout_s
@@ -39,13 +43,11 @@ class Service:
         try:
             urls = {}
             for inst in self.pool.instances:
-                if inst.emulate is None:
+                opts = self.options.get(inst.name)
+                if opts is None:
                     continue
-                e = inst.emulate
-                prof = load_profile(inst.profile)  # type: ignore[arg-type]
-                emu = Emulator(prof.batch_time, prof.config, model_name=inst.served_model,
-                               speed=e.speed, seed=e.seed, output_median=e.output_median,
-                               faults=Faults(e.fail_rate, tuple(e.fail_kinds)))
+                emu = opts.emulator(load_profile(inst.profile),  # type: ignore[arg-type]
+                                    inst.served_model)
                 server = await AppServer(create_app(emu), host="127.0.0.1", port=0).start()
                 self.emulators[inst.name] = emu
                 self.emulator_servers[inst.name] = server

@@ -1,0 +1,35 @@
+"""The options of an emulated instance, as a pool config's ``emulate:`` block gives them (the
+service that embeds emulators validates them with this model)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from duetime.emulator.core import FAULT_KINDS, Emulator, Faults
+from duetime.engine.spec import InstanceSpec
+
+
+class EmulatorOptions(BaseModel):
+    """``emulate: {speed, seed, output_median, fail_rate, fail_kinds}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    speed: float = Field(1.0, gt=0)
+    seed: int = 0
+    output_median: float = Field(200.0, gt=0)
+    fail_rate: float = Field(0.0, ge=0, le=1)
+    fail_kinds: list[str] = ["5xx"]
+
+    @field_validator("fail_kinds")
+    @classmethod
+    def _kinds(cls, v: list[str]) -> list[str]:
+        bad = [k for k in v if k not in FAULT_KINDS]
+        if bad or not v:
+            raise ValueError(f"must be among {', '.join(FAULT_KINDS)}, got {v}")
+        return v
+
+    def emulator(self, spec: InstanceSpec, model_name: str) -> Emulator:
+        """An emulator of ``spec`` (its unscaled timing; ``speed`` applies here) serving
+        ``model_name``."""
+        return Emulator(spec.batch_time, spec.config, model_name=model_name, speed=self.speed,
+                        seed=self.seed, output_median=self.output_median,
+                        faults=Faults(self.fail_rate, tuple(self.fail_kinds)))

@@ -1,0 +1,55 @@
+"""Pool configs with embedded instances: the gateway's pool config, plus each ``emulate:``
+block validated as the emulator's options (errors name the file, the field and the reason,
+as the gateway's own do)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from duetime.emulator.options import EmulatorOptions
+from duetime.gateway.config import ConfigError, Pool, format_errors
+from duetime.gateway.config import load_pool as load_gateway_pool
+from duetime.gateway.config import pool_from_dict as gateway_pool_from_dict
+
+DEMO_MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
+
+
+def embedded_options(pool: Pool) -> dict[str, EmulatorOptions]:
+    """The emulator options of each embedded instance, by instance name; ConfigError if any
+    ``emulate:`` block is not valid emulator options."""
+    out = {}
+    for i, inst in enumerate(pool.instances):
+        if inst.emulate is None:
+            continue
+        try:
+            out[inst.name] = EmulatorOptions.model_validate(inst.emulate)
+        except ValidationError as e:
+            raise ConfigError(format_errors(e, pool.source, f"instances[{i}].emulate")) from None
+    return out
+
+
+def pool_from_dict(data: Any, source: str = "pool") -> Pool:
+    """:func:`duetime.gateway.pool_from_dict`, with the embedded instances' options checked."""
+    pool = gateway_pool_from_dict(data, source)
+    embedded_options(pool)
+    return pool
+
+
+def load_pool(path: str | Path) -> Pool:
+    """:func:`duetime.gateway.load_pool`, with the embedded instances' options checked."""
+    pool = load_gateway_pool(path)
+    embedded_options(pool)
+    return pool
+
+
+def demo_pool(*, speed: float = 1.0, policy: str = "sfs") -> Pool:
+    """Three emulated instances (Qwen3 0.6B / 8B / 32B on H100 timing), the paper's prices and
+    accuracies."""
+    return pool_from_dict({
+        "policy": policy,
+        "instances": [{"name": m, "model": m, "emulate": {"speed": speed, "seed": k}}
+                      for k, m in enumerate(DEMO_MODELS)],
+    }, "demo pool")

@@ -1,0 +1,8 @@
+"""What every OpenAI-compatible server here shares: request parsing and OpenAI-style errors
+(:mod:`.requests`, :mod:`.errors`), the prompt-token estimate (:mod:`.tokens`), server-sent
+events (:mod:`.sse`), the raw-ASGI completion endpoint and fast routes (:mod:`.asgi`), uvicorn
+in-process (:mod:`.server`) and JSON-lines logs (:mod:`.logs`).
+
+The gateway and the emulator both build on it and never import each other; the service that
+runs the gateway with embedded emulators (:mod:`duetime.service`) sits above both.
+"""
