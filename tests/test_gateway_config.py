@@ -155,8 +155,8 @@ def test_overhead_and_tokenizer_resolve(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from duetime.estimate import SfsEstimator
+    from duetime.gateway import InstanceState, MemoryStore
     from duetime.gateway.metrics import GatewayMetrics
-    from duetime.gateway.state import InstanceState
 
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -170,8 +170,8 @@ def test_overhead_and_tokenizer_resolve(tmp_path):
     plain = pool_from_dict({"instances": [{"name": "s", "model": "qwen3-0.6b",
                                            "url": "http://h", "profile": "qwen3-0.6b"}]})
     now = time.monotonic()
-    with_overhead = InstanceState(small, pool, GatewayMetrics(), now)
-    without = InstanceState(plain.instances[0], plain, GatewayMetrics(), now)
+    with_overhead = InstanceState(small, pool, GatewayMetrics(), MemoryStore(), now)
+    without = InstanceState(plain.instances[0], plain, GatewayMetrics(), MemoryStore(), now)
     est = SfsEstimator()
     est.ttft(without, 100, now)  # (compiles the forecast on a first run: not timed below)
     now = time.monotonic()
@@ -193,7 +193,7 @@ def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
     gw = Gateway(load_pool(write(tmp_path, GOOD + "tokenizer: tokenizer.json\n")))
 
     def count(body: dict, chat: bool) -> int:
-        return gw._count_tokens(parse_completion(json.dumps(body).encode(), chat=chat))
+        return gw.router.count_tokens(parse_completion(json.dumps(body).encode(), chat=chat))
 
     words = "hello world " * 50  # 100 words, 100 tokens; the estimate would say ~30
     assert count({"prompt": words}, False) == 100

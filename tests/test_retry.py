@@ -79,12 +79,14 @@ def cands(*views):
 
 
 def rreq(q, attempted=(), session="s"):
-    return RoutingRequest("r", 1000, np.array(q, dtype=float), np.array([10] * len(q)),
-                          float("inf"), session=session, attempted=frozenset(attempted))
+    """A request whose predicted success probabilities are ``q``."""
+    return RoutingRequest("r", 1000, None, np.array([10] * len(q)), float("inf"),
+                          session=session, attempted=frozenset(attempted),
+                          success=np.array(q, dtype=float))
 
 
 def test_laar_ranks_by_latency_over_success_and_penalises_attempts() -> None:
-    p = make_policy("laar", lam=0.0)
+    p = make_policy("laar")
     c = cands(View(0), View(0), View(20))
     assert p.choose(rreq([0.5, 0.9, 0.95]), c, 0).index == 1  # same latency, higher Q
     assert p.choose(rreq([0.5, 0.9, 0.95], attempted={"m1"}), c, 0).index == 0
@@ -93,7 +95,7 @@ def test_laar_ranks_by_latency_over_success_and_penalises_attempts() -> None:
 
 
 def test_ttca_excludes_attempted_models_and_uses_forecasts() -> None:
-    p = make_policy("ttca", lam=0.0)
+    p = make_policy("ttca")
     c = cands(View(0), View(30), View(0))
     d = p.choose(rreq([0.6, 0.99, 0.5]), c, 0)
     assert d.index == 0 and d.forecast > 0  # the busy instance's forecast is far longer
@@ -103,7 +105,7 @@ def test_ttca_excludes_attempted_models_and_uses_forecasts() -> None:
 
 
 def test_session_affinity_sticks() -> None:
-    p = make_policy("session-affinity", lam=0.0)
+    p = make_policy("session-affinity")
     first = p.choose(rreq([0.5, 0.5], session="a"), cands(View(3), View(0)), 0).index
     assert first == 1  # load-aware: no waiting requests
     again = p.choose(rreq([0.5, 0.5], attempted={"m1"}, session="a"),
@@ -124,7 +126,7 @@ def test_retries_until_correct_and_ttca_accounting() -> None:
     correct[0] = False  # never solved: censored at the cap
     q_pred = np.full((n, k), 0.4)
     outs = np.full((n, k), 40)
-    res = run_retries(models, make_policy("laar", lam=0.0), np.full(n, 8192), outs, correct,
+    res = run_retries(models, make_policy("laar"), np.full(n, 8192), outs, correct,
                       q_pred, clients=8, retry_cap=10)
     assert len(res.attempts) == n
     for qi, a in enumerate(res.attempts):
@@ -138,7 +140,7 @@ def test_retries_until_correct_and_ttca_accounting() -> None:
     s = res.success_by_attempt(10)
     assert np.all(np.diff(s) >= 0) and s[-1] == pytest.approx(res.solved.mean())
     # session affinity repeats the first model: one attempt solves or all ten fail
-    res = run_retries(models, make_policy("session-affinity", lam=0.0), np.full(n, 8192), outs,
+    res = run_retries(models, make_policy("session-affinity"), np.full(n, 8192), outs,
                       correct, q_pred, clients=8, retry_cap=10)
     assert all(len({m for m, _, _ in a}) == 1 for a in res.attempts)
 
@@ -154,7 +156,7 @@ def test_laar_and_ttca_beat_the_baselines() -> None:
     outs = np.full((40, len(names)), 40)
     mean = {}
     for pol in ("load-aware", "session-affinity", "laar", "ttca"):
-        res = run_retries(models, make_policy(pol, lam=0.0), np.full(40, 32768), outs, ev,
+        res = run_retries(models, make_policy(pol), np.full(40, 32768), outs, ev,
                           q_pred, clients=8, retry_cap=10)
         mean[pol] = res.ttca.mean()
     assert mean["laar"] < mean["load-aware"] and mean["laar"] < mean["session-affinity"]

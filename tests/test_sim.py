@@ -139,7 +139,7 @@ def test_shortest_queue_and_load_aware() -> None:
     assert load_aware_score(500) == 0.0
     c = cands([View(9, 3), View(0, 1), View(50, 0)])
     assert make_policy("load-aware").choose(req(), c, 0).index == 2  # waiting == 0 scores 0.5
-    picks = {make_policy("shortest-queue", seed=s).choose(req(), cands(
+    picks = {make_policy("shortest-queue", {"seed": s}).choose(req(), cands(
         [View(1, 0), View(0, 1), View(5, 5)]), 0).index for s in range(20)}
     assert picks == {0, 1}  # random tie-break
 
@@ -291,8 +291,8 @@ def test_sfs_soft_trades_utility_for_forecast() -> None:
     views = [View(snap=busy(0)), View(snap=busy(20)), View(snap=busy(2))]
     c = cands(views)
     r = req(quality=(0.5, 0.9, 0.7), target=0.1)
-    assert make_policy("sfs-soft", delta=0.0).choose(r, c, 0).index == 1  # latency-agnostic
-    d = make_policy("sfs-soft", delta=1e-6).choose(r, c, 0)
+    assert make_policy("sfs-soft", {"delta": 0.0}).choose(r, c, 0).index == 1  # latency-agnostic
+    d = make_policy("sfs-soft", {"delta": 1e-6}).choose(r, c, 0)
     # forecasts: idle 0.02 s, 20 queued 400-token prompts ~1.8 s, 2 queued ~0.11 s;
     # scores u - 1e-6 * us: 0.5 - 0.02, 0.9 - 1.8, 0.7 - 0.11: instance 2
     assert d.index == 2 and d.forecast == pytest.approx(SfsEstimator().ttft(views[2], 100, 0))

@@ -52,3 +52,11 @@ def unit_rate(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` (a policy parameter on the command line; the policy checks the value)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip() or not value.strip():
+        raise argparse.ArgumentTypeError(f"must be NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()

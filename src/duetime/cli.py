@@ -146,6 +146,24 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_policies(args: argparse.Namespace) -> int:
+    from duetime.policy import INPUTS, describe, policy_class, policy_names
+
+    if args.json:
+        _print_json([{"name": n, "summary": policy_class(n).summary,
+                      "params": [{"name": p.name, "type": p.kind.__name__,
+                                  "default": p.default, "help": p.help}
+                                 for p in policy_class(n).params],
+                      "consumes": sorted(policy_class(n).consumes)}
+                     for n in policy_names()], args.indent)
+        return 0
+    print(describe())
+    print("\ninputs a policy may consume:")
+    for name, what in INPUTS.items():
+        print(f"  {name}: {what}")
+    return 0
+
+
 # -- snapshot example ---------------------------------------------------------------------------
 
 def _paper_like(seed: int, profile_name: str, running: int, waiting: int,
@@ -284,6 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("profiles", _cmd_profiles, "list the built-in instance profiles",
                 "The built-in instance profiles: a batch-time model (coefficients in seconds "
                 "per unit) with the scheduler config it was measured under.")
+    p.add_argument("--json", action="store_true", help="print them as a JSON list")
+    _add_indent(p)
+
+    p = command("policies", _cmd_policies, "list the routing policies",
+                "The registered routing policies: each one's rule, its parameters (set them "
+                "with --policy-param NAME=VALUE, or in a pool config's policy: {name: ..., "
+                "NAME: VALUE}) and what it consumes (what the gateway keeps fresh for it and "
+                "the simulator gives it).")
     p.add_argument("--json", action="store_true", help="print them as a JSON list")
     _add_indent(p)
 

@@ -20,6 +20,7 @@ from duetime.experiments import report as rp
 from duetime.experiments.runner import Point, Runner
 from duetime.metrics import auc, forecast_mape, routing_share
 from duetime.policy import make_policy
+from duetime.predict.quality_source import TaskTable
 from duetime.sim.retry import run_retries
 from duetime.workload import load_workload
 from duetime.workload.kvlookup import load_pool
@@ -216,12 +217,13 @@ def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
             truth = rng.random((n_fit + n_eval, len(names))) < p  # fixed per (query, model)
             fit, ev = truth[:n_fit], truth[n_fit:]
             # the router's success model: the fit queries' rate per model (Laplace-smoothed)
-            q_pred = np.repeat(((fit.sum(0) + 1) / (n_fit + 2))[None, :], n_eval, 0)
+            rate = (fit.sum(0) + 1) / (n_fit + 2)
+            q_pred = TaskTable({"kv-lookup": dict(zip(names, rate.tolist(), strict=True))})
             prompt = np.full(n_eval, ctx)
             outs = np.full((n_eval, len(names)), pool.output_tokens)
             for router in routers:
-                r = run_retries(models, make_policy(router, lam=0.0, seed=seed,
-                                                    alpha=pool.alpha),
+                r = run_retries(models, make_policy(router, defaults={
+                                    "lambda": 0.0, "seed": seed, "alpha": pool.alpha}),
                                 prompt, outs, ev, q_pred, clients=pool.concurrency,
                                 retry_cap=pool.retry_cap, seed=seed)
                 t = r.ttca

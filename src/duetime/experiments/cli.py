@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
+from duetime.argtypes import key_value
 from duetime.experiments import report as rp
 from duetime.experiments.catalog import EXPERIMENTS, run_experiment
 from duetime.experiments.runner import Point, Runner
-from duetime.policy import POLICY_NAMES
+from duetime.policy import PolicyError, check_params, policy_names
 from duetime.sim import SimResult
 from duetime.workload import ProfileError, builtin_profiles, load_trace, load_workload
 
@@ -81,7 +82,12 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     runner = Runner(profile, seed=args.seed, noise=args.noise,
                     length_error=args.length_error, quality=args.quality,
                     charge_overhead=args.charge_overhead)
-    point = Point(args.policy, args.rate, args.requests, args.arrivals, delta=args.delta)
+    try:
+        params = check_params(args.policy, dict(args.policy_param or ()), "--policy-param")
+    except PolicyError as e:
+        raise error(str(e).replace("--policy-param.", "--policy-param ")) from None
+    point = Point(args.policy, args.rate, args.requests, args.arrivals, delta=args.delta,
+                  params=tuple(params.items()))
     if args.trace:
         try:
             runner.set_stream(point, load_trace(args.trace, profile,
@@ -139,8 +145,12 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "the workload) with one policy; print the headline numbers and write "
                 "results.csv, requests.csv (every request's record) and summary.json (with "
                 "wall_s and simulated_s) into --out.")
-    p.add_argument("--policy", required=True, choices=POLICY_NAMES, metavar="P",
-                   help=f"one of: {', '.join(POLICY_NAMES)}")
+    p.add_argument("--policy", required=True, choices=policy_names(), metavar="P",
+                   help=f"one of: {', '.join(policy_names())} (`duetime policies` describes "
+                   "them)")
+    p.add_argument("--policy-param", type=key_value, action="append", default=None,
+                   metavar="NAME=VALUE", help="a parameter of the policy, e.g. k=25 for lps "
+                   "(repeatable; `duetime policies` lists each policy's)")
     p.add_argument("--rate", type=float, default=None, metavar="R",
                    help="arrivals per second")
     p.add_argument("--requests", type=int, default=None, metavar="N", help="requests")
@@ -149,7 +159,8 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    "profile (default paper)")
     p.add_argument("--arrivals", default="poisson", choices=["poisson", "mmpp2", "deterministic"],
                    help="arrival process (default poisson)")
-    p.add_argument("--delta", type=float, default=1e-6, help="sfs-soft's delta (per us)")
+    p.add_argument("--delta", type=float, default=1e-6,
+                   help="sfs-soft's delta (per us; the same as --policy-param delta=...)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="log-space spread of per-step time noise on the instances (default 0)")
     p.add_argument("--length-error", type=float, default=0.3,

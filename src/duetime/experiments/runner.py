@@ -28,6 +28,7 @@ class Point:
     delta: float = 1e-6
     label: str = ""            # shown instead of the router name (e.g. "sfs-soft d=1e-6")
     extra: tuple[tuple[str, Any], ...] = ()
+    params: tuple[tuple[str, Any], ...] = ()  # the policy's own parameters (registry names)
 
     @property
     def name(self) -> str:
@@ -65,7 +66,8 @@ class Runner:
 
     def run(self, p: Point, shadow: tuple[Estimator, ...] = (),
             closed_loop: int | None = None) -> tuple[dict[str, Any], SimResult]:
-        policy = make_policy(p.router, lam=self.profile.lam, seed=self.seed, delta=p.delta)
+        policy = make_policy(p.router, dict(p.params), defaults={
+            "lambda": self.profile.lam, "seed": self.seed, "delta": p.delta})
         sim = ClusterSim(self.profile, policy, noise=self.noise,
                          length_error=self.length_error, quality=self.quality, seed=self.seed,
                          charge_overhead=self.charge_overhead, shadow_estimators=shadow)
@@ -76,6 +78,7 @@ class Runner:
         row.update(dict(p.arrival_kw))
         if p.router == "sfs-soft":
             row["delta"] = p.delta
+        row.update(dict(p.params))
         row.update(dict(p.extra))
         row.update(summarize(res))
         row["wall_s"] = res.wall_s

@@ -6,6 +6,8 @@ It never imports the emulator: a pool's embedded (``emulate:``) instances are st
 
 from duetime.gateway.app import Gateway
 from duetime.gateway.config import ConfigError, Pool, load_pool, pool_from_dict
-from duetime.gateway.state import InstanceState
+from duetime.gateway.inflight import Flight, FlightStore, MemoryStore
+from duetime.gateway.instance import InstanceState
 
-__all__ = ["ConfigError", "Gateway", "InstanceState", "Pool", "load_pool", "pool_from_dict"]
+__all__ = ["ConfigError", "Flight", "FlightStore", "Gateway", "InstanceState", "MemoryStore",
+           "Pool", "load_pool", "pool_from_dict"]

@@ -16,7 +16,7 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
-from duetime.policy import POLICY_NAMES
+from duetime.policy.registry import PolicyError, check_params, policy_names
 
 ALIAS_DEFAULT = "auto"
 
@@ -122,7 +122,7 @@ class HealthSpec(_Strict):
 
 class PoolSpec(_Strict):
     instances: list[_InstanceIn] = Field(min_length=1)
-    policy: str = "sfs"
+    policy: str | dict[str, Any] = "sfs"
     lambda_: float = Field(5.0e-4, alias="lambda", ge=0)
     delta: float = Field(1.0e-6, ge=0)
     alpha: float = Field(0.7, ge=0)
@@ -137,12 +137,6 @@ class PoolSpec(_Strict):
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
 
-    @field_validator("policy")
-    @classmethod
-    def _policy(cls, v: str) -> str:
-        if v not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {v!r}; one of {', '.join(POLICY_NAMES)}")
-        return v
 
 
 # -- resolved -----------------------------------------------------------------------------------
@@ -190,6 +184,7 @@ class Pool:
     source: str
     instances: tuple[Instance, ...]
     policy: str
+    policy_params: dict[str, Any]  # the policy's own parameters (policy: {name, ...})
     lam: float
     delta: float
     alpha: float
@@ -209,6 +204,12 @@ class Pool:
     @property
     def models(self) -> list[str]:
         return list(dict.fromkeys(i.model for i in self.instances))
+
+    def with_policy(self, name: str, params: dict[str, Any] | None = None) -> Pool:
+        """The same pool routed by another policy (``params``: its own parameters, checked);
+        raises ConfigError."""
+        policy, checked = _policy({"name": name, **(params or {})}, self.source)
+        return replace(self, policy=policy, policy_params=checked)
 
     def with_urls(self, urls: dict[str, str]) -> Pool:
         """The same pool with these instances' URLs set (embedded emulators once started)."""
@@ -357,10 +358,31 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
     if not math.isfinite(spec.lambda_):
         raise fail("lambda", "must be finite")
-    return Pool(source, tuple(insts), spec.policy, spec.lambda_, spec.delta, spec.alpha,
+    policy, params = _policy(spec.policy, source)
+    return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 predictor, tokenizer)
+
+
+def _policy(value: str | dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:
+    """``policy: NAME`` or ``policy: {name: NAME, PARAM: VALUE, ...}``, checked against the
+    policy registry (the parameters must be the policy's own)."""
+    if isinstance(value, dict):
+        params = dict(value)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise ConfigError(f"{source}: policy.name: required (a policy name) when policy is "
+                              "a mapping")
+    else:
+        name, params = value, {}
+    if name not in policy_names():
+        raise ConfigError(f"{source}: policy: unknown policy {name!r}; one of "
+                          f"{', '.join(policy_names())}")
+    try:
+        return name, check_params(name, params, "policy")
+    except PolicyError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def load_pool(path: str | Path) -> Pool:

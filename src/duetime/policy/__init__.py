@@ -1,4 +1,5 @@
-"""Routing policies behind one interface (``Policy.choose``), shared by simulator and gateway.
+"""Routing policies behind one interface (``Policy.choose``), shared by simulator and gateway,
+and the registry that names them (``duetime policies`` lists it).
 
 | name | rule |
 |---|---|
@@ -17,46 +18,52 @@
 
 from __future__ import annotations
 
-from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
+import duetime.policy.catalog  # noqa: F401  (registers the policies)
 from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue, load_aware_score
 from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest, utility
-from duetime.policy.latency import Feasible, LatencyAgnostic, SoftSfs
+from duetime.policy.latency import Feasible, LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
+from duetime.policy.registry import (
+    INPUTS,
+    Param,
+    PolicyError,
+    check_params,
+    consumes,
+    describe,
+    make_policy,
+    policy_class,
+    policy_names,
+)
 from duetime.policy.retry import ExpectedTtca, Laar, SessionAffinity
 
-POLICY_NAMES = ("round-robin", "shortest-queue", "load-aware", "latency-agnostic", "sfs",
-                "sfs-soft", "throughput", "lps", "session-affinity", "laar", "ttca")
+POLICY_NAMES = policy_names()
 
-
-def make_policy(name: str, *, lam: float = 5.0e-4, seed: int = 0, delta: float = 1e-6,
-                lps_k: float | None = None, alpha: float = 0.7) -> Policy:
-    """A policy by its CLI/config name."""
-    kw = {"lam": lam, "seed": seed}
-    if name == "round-robin":
-        return RoundRobin(**kw)
-    if name == "shortest-queue":
-        return ShortestQueue(**kw)
-    if name == "load-aware":
-        return LoadAware(**kw)
-    if name == "latency-agnostic":
-        return LatencyAgnostic(**kw)
-    if name == "sfs":
-        return Feasible(SfsEstimator(), **kw)
-    if name == "sfs-soft":
-        return SoftSfs(SfsEstimator(), delta=delta, **kw)
-    if name == "throughput":
-        return Feasible(ThroughputEstimator(), **kw)
-    if name == "lps":
-        return Feasible(LpsEstimator(k=lps_k), **kw)
-    if name == "session-affinity":
-        return SessionAffinity(**kw)
-    if name == "laar":
-        return Laar(alpha=alpha, **kw)
-    if name == "ttca":
-        return ExpectedTtca(**kw)
-    raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
-
-
-__all__ = ["POLICY_NAMES", "Candidate", "Decision", "ExpectedTtca", "Feasible", "Laar",
-           "LatencyAgnostic", "LoadAware", "Policy", "RoundRobin", "RoutingRequest",
-           "SessionAffinity", "ShortestQueue", "SoftSfs", "load_aware_score", "make_policy",
-           "utility"]
+__all__ = [
+    "INPUTS",
+    "POLICY_NAMES",
+    "Candidate",
+    "Decision",
+    "ExpectedTtca",
+    "Feasible",
+    "Laar",
+    "LatencyAgnostic",
+    "LoadAware",
+    "Lps",
+    "Param",
+    "Policy",
+    "PolicyError",
+    "RoundRobin",
+    "RoutingRequest",
+    "SessionAffinity",
+    "Sfs",
+    "ShortestQueue",
+    "SoftSfs",
+    "Throughput",
+    "check_params",
+    "consumes",
+    "describe",
+    "load_aware_score",
+    "make_policy",
+    "policy_class",
+    "policy_names",
+    "utility",
+]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest
+from duetime.policy.registry import METRICS
 
 
 class RoundRobin(Policy):
     name = "round-robin"
+    summary = "a cursor over the candidates"
 
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
         self._cursor = 0
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
@@ -24,6 +26,8 @@ class ShortestQueue(Policy):
     """Fewest resident requests (running + waiting); random tie-break."""
 
     name = "shortest-queue"
+    summary = "fewest resident requests (running + waiting); random tie-break"
+    consumes = frozenset({METRICS})
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         load = np.array([c.view.num_running + c.view.num_waiting for c in cands])
@@ -39,6 +43,9 @@ class LoadAware(Policy):
     """llm-d load-aware: the highest scorer (vllm:num_requests_waiting), random tie-break."""
 
     name = "load-aware"
+    summary = ("llm-d's load-aware scorer: 0.5 if nothing waits, else 0.5 (1 - min(waiting, "
+               "128) / 128); the best score, random tie-break")
+    consumes = frozenset({METRICS})
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         scores = np.array([load_aware_score(c.view.num_waiting) for c in cands])

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
 from duetime.estimate.base import InstanceView
+from duetime.policy.registry import SEED, Param
 
 
 @dataclass(slots=True)
@@ -25,18 +27,20 @@ class Candidate:
 class RoutingRequest:
     """What the router knows about a request when it routes it.
 
-    ``quality`` and ``output_tokens`` are *predictions*, one per candidate (in candidate
-    order); ``ttft_target`` in seconds; ``attempted``: models already tried for this request.
+    ``quality``, ``success`` and ``output_tokens`` are *predictions*, one per candidate (in
+    candidate order), filled when the policy declares it consumes them (``None`` otherwise);
+    ``ttft_target`` in seconds; ``attempted``: models already tried for this request.
     """
 
     id: str
     prompt_tokens: int
-    quality: np.ndarray
+    quality: np.ndarray | None
     output_tokens: np.ndarray
     ttft_target: float
     task: str = ""
     session: str | None = None
     attempted: frozenset[str] = field(default_factory=frozenset)
+    success: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -55,12 +59,18 @@ def utility(req: RoutingRequest, cands: list[Candidate], lam: float) -> np.ndarr
 
 
 class Policy(ABC):
-    """Chooses a candidate for each request. ``rng`` breaks ties (seeded)."""
+    """Chooses a candidate for each request. ``rng`` breaks ties (seeded).
 
-    name: str = ""
+    A concrete policy declares (see :mod:`duetime.policy.registry`) its ``name``, a one-line
+    ``summary``, its ``params`` (their ``arg`` names are its constructor's keywords) and what it
+    ``consumes``."""
 
-    def __init__(self, *, lam: float = 5.0e-4, seed: int = 0) -> None:
-        self.lam = lam
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]] = (SEED,)
+    consumes: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, *, seed: int = 0) -> None:
         self.rng = np.random.default_rng(seed)
 
     @abstractmethod

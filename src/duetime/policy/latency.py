@@ -3,16 +3,37 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import numpy as np
 
+from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
 from duetime.estimate.base import Estimator
 from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest, utility
+from duetime.policy.registry import (
+    LAMBDA,
+    OUTPUT_LENGTH,
+    QUALITY,
+    SEED,
+    SNAPSHOT,
+    STATS,
+    Param,
+)
+
+UTILITY_INPUTS = frozenset({QUALITY, OUTPUT_LENGTH})
 
 
 class LatencyAgnostic(Policy):
     """argmax U = acc - lambda * cost."""
 
     name = "latency-agnostic"
+    summary = "the best utility U = quality - lambda x cost, whatever the latency"
+    params = (LAMBDA, SEED)
+    consumes = UTILITY_INPUTS
+
+    def __init__(self, *, lam: float = LAMBDA.default, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.lam = lam
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         return Decision(self._argmax_random(utility(req, cands, self.lam)))
@@ -25,10 +46,14 @@ class Feasible(Policy):
     paper's baselines ``throughput`` and ``lps``.
     """
 
-    def __init__(self, estimator: Estimator, **kw) -> None:
-        super().__init__(**kw)
+    params = (LAMBDA, SEED)
+    consumes = UTILITY_INPUTS | {SNAPSHOT}
+
+    def __init__(self, estimator: Estimator, *, lam: float = LAMBDA.default,
+                 seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.lam = lam
         self.estimator = estimator
-        self.name = estimator.name
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         u = utility(req, cands, self.lam)
@@ -42,14 +67,57 @@ class Feasible(Policy):
         return Decision(i, float(forecasts[i]))
 
 
+class Sfs(Feasible):
+    name = "sfs"
+    summary = ("the best utility among the instances whose TTFT forecast (the engine's replay "
+               "from a snapshot) meets the target; if none, the least forecast")
+
+    def __init__(self, *, lam: float = LAMBDA.default, seed: int = 0) -> None:
+        super().__init__(SfsEstimator(), lam=lam, seed=seed)
+
+
+class Throughput(Feasible):
+    name = "throughput"
+    summary = ("as sfs, the forecast = (queued prefill tokens + the prompt) / prefill rate + a "
+               "decode step")
+
+    def __init__(self, *, lam: float = LAMBDA.default, seed: int = 0) -> None:
+        super().__init__(ThroughputEstimator(), lam=lam, seed=seed)
+
+
+LPS_K = Param("k", "k", float, None, "the queue's concurrency (default: fitted from the "
+              "instance's config and mean lengths)", min=0.0, min_open=True)
+
+
+class Lps(Feasible):
+    name = "lps"
+    summary = ("as sfs, the forecast = a limited-processor-sharing wait from time-averaged "
+               "rates + service")
+    params = (LAMBDA, SEED, LPS_K)
+    consumes = Feasible.consumes | {STATS}
+
+    def __init__(self, *, lam: float = LAMBDA.default, seed: int = 0,
+                 k: float | None = None) -> None:
+        super().__init__(LpsEstimator(k=k), lam=lam, seed=seed)
+
+
+DELTA = Param("delta", "delta", float, 1.0e-6, "weight of the TTFT forecast, per microsecond "
+              "(0: latency-agnostic)", min=0.0)
+
+
 class SoftSfs(Policy):
     """argmax U - delta * forecast, forecast in microseconds (delta = 0: latency-agnostic)."""
 
     name = "sfs-soft"
+    summary = "the best U - delta x TTFT forecast (microseconds)"
+    params: ClassVar[tuple[Param, ...]] = (LAMBDA, SEED, DELTA)
+    consumes = UTILITY_INPUTS | {SNAPSHOT}
 
-    def __init__(self, estimator: Estimator, delta: float = 1e-6, **kw) -> None:
-        super().__init__(**kw)
-        self.estimator = estimator
+    def __init__(self, estimator: Estimator | None = None, *, lam: float = LAMBDA.default,
+                 seed: int = 0, delta: float = DELTA.default) -> None:
+        super().__init__(seed=seed)
+        self.lam = lam
+        self.estimator = estimator or SfsEstimator()
         self.delta = delta
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:

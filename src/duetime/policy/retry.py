@@ -3,32 +3,23 @@
 When a wrong answer triggers a retry, the time to a *correct* answer is what the user waits.
 For a request ``x`` and model ``m`` with success probability Q(m, x) and latency L(m, x),
 trying models in order of increasing L/Q minimises the expected time to the first success
-(independent attempts); LAAR ranks by this ratio with a cheap latency proxy, ``ttca`` with the
-engine's end-to-end forecast. Decoding is deterministic: a model that failed a request fails it
-again, so already-attempted models are penalised (LAAR) or excluded (ttca).
+(independent attempts); LAAR ranks by this ratio with a cheap latency proxy
+(:class:`~duetime.estimate.laar.LaarLatency`), ``ttca`` with the engine's end-to-end forecast
+(:meth:`~duetime.estimate.sfs.SfsEstimator.e2e`). Decoding is deterministic: a model that
+failed a request fails it again, so already-attempted models are penalised (LAAR) or excluded
+(ttca).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from duetime.engine.forecasting import ForecastError, forecast
-from duetime.estimate.throughput import profile_rates
+from duetime.estimate import LaarLatency, SfsEstimator
 from duetime.policy.balancing import LoadAware
 from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest
+from duetime.policy.registry import METRICS, OUTPUT_LENGTH, SEED, SNAPSHOT, SUCCESS, Param
 
 ATTEMPTED_PENALTY = 100.0  # LAAR: cost multiplier for a model already tried for the request
-
-
-def queued_tokens(view) -> int:
-    """Tokens being processed or waiting at an instance: remaining prefill of every resident
-    request plus the predicted remaining outputs (from its snapshot)."""
-    snap = view.snapshot()
-    total = 0
-    for tab in (snap.running_table, snap.waiting_table):
-        total += int((tab.prompt + tab.output - tab.computed).sum())
-        total += int(np.maximum(tab.predicted - tab.output, 0).sum())
-    return total
 
 
 class SessionAffinity(Policy):
@@ -36,10 +27,12 @@ class SessionAffinity(Policy):
     retries) go to the same instance."""
 
     name = "session-affinity"
+    summary = "a session's first request as load-aware; its later ones to the same instance"
+    consumes = frozenset({METRICS})
 
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self._first = LoadAware(**kw)
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self._first = LoadAware(seed=seed)
         self._bound: dict[str, str] = {}
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
@@ -53,29 +46,31 @@ class SessionAffinity(Policy):
         return d
 
 
-class Laar(Policy):
-    """LAAR: argmin L/Q with L = c(m)·(T(x) + alpha·R(m)).
+ALPHA = Param("alpha", "alpha", float, 0.7, "laar's weight of the tokens queued at an instance",
+              min=0.0)
 
-    c(m): seconds per token from the instance's offline profile (its prefill rate: long-context
-    requests are prefill-bound); T(x): the request's tokens (prompt + predicted output);
-    R(m): tokens queued or in process at m; Q: the predicted success probability
-    (``RoutingRequest.quality``); models already attempted pay ``ATTEMPTED_PENALTY``.
-    """
+
+class Laar(Policy):
+    """LAAR: argmin L/Q with L = c(m)·(T(x) + alpha·R(m)) (:class:`LaarLatency`) and Q the
+    predicted success probability; models already attempted pay ``ATTEMPTED_PENALTY``."""
 
     name = "laar"
+    summary = ("LAAR: the least L/Q, L = c(m) (T(x) + alpha R(m)), Q the success probability; "
+               "models already attempted pay a penalty")
+    params = (SEED, ALPHA)
+    consumes = frozenset({SNAPSHOT, SUCCESS, OUTPUT_LENGTH})
 
-    def __init__(self, alpha: float = 0.7, **kw) -> None:
-        super().__init__(**kw)
+    def __init__(self, *, seed: int = 0, alpha: float = ALPHA.default) -> None:
+        super().__init__(seed=seed)
         self.alpha = alpha
+        self.latency = LaarLatency(alpha)
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        assert req.success is not None
         cost = np.empty(len(cands))
         for i, c in enumerate(cands):
-            snap = c.view.snapshot()
-            per_token = 1.0 / profile_rates(snap.model, snap.config)[0]
-            t_x = req.prompt_tokens + float(req.output_tokens[i])
-            lat = per_token * (t_x + self.alpha * queued_tokens(c.view))
-            cost[i] = lat / max(float(req.quality[i]), 1e-6)
+            lat = self.latency.latency(c.view, req.prompt_tokens, float(req.output_tokens[i]))
+            cost[i] = lat / max(float(req.success[i]), 1e-6)
             if c.model in req.attempted:
                 cost[i] *= ATTEMPTED_PENALTY
         return Decision(self._argmax_random(-cost))
@@ -87,21 +82,23 @@ class ExpectedTtca(Policy):
     probability. With every model attempted, the fastest forecast."""
 
     name = "ttca"
+    summary = ("the least expected time to a correct answer: L/Q over the models not yet "
+               "attempted, L the engine's end-to-end forecast")
+    consumes = frozenset({SNAPSHOT, SUCCESS, OUTPUT_LENGTH})
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+        self.estimator = SfsEstimator()
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
-        lat = np.empty(len(cands))
-        for i, c in enumerate(cands):
-            snap = c.view.snapshot()
-            try:
-                lat[i] = forecast(snap, req.prompt_tokens, int(req.output_tokens[i]),
-                                  until="finish").estimate_s + (snap.time - now)
-            except ForecastError:
-                lat[i] = np.inf
+        assert req.success is not None
+        lat = np.array([self.estimator.e2e(c.view, req.prompt_tokens, int(req.output_tokens[i]),
+                                           now) for i, c in enumerate(cands)])
         fresh = np.array([c.model not in req.attempted for c in cands])
         if not fresh.any():
             i = int(np.argmin(lat))
             return Decision(i, float(lat[i]))
-        q = np.maximum(np.asarray(req.quality, dtype=float), 1e-6)
+        q = np.maximum(np.asarray(req.success, dtype=float), 1e-6)
         score = np.where(fresh, lat / q, np.inf)
         i = int(np.argmin(score))
         return Decision(i, float(lat[i]))

@@ -7,7 +7,11 @@ Three sources behind one interface, all vectorised over the candidate models of 
   accuracy (``paper_accuracy.yaml``). What the paper's own simulation used.
 * :class:`Oracle`: the true per-request quality, fed by the simulator that drew it
   (simulation only: a real router never knows it). The upper bound for any predictor.
-* :class:`Trained`: a predictor directory from ``duetime predict train``.
+* :class:`Trained`: a predictor directory from ``duetime predict train`` (with a fallback
+  source for the heads it was not trained with).
+
+The simulator and the gateway both route with these objects; the simulator asks for a whole
+request set at once (:meth:`QualitySource.quality_table`), the gateway per request.
 
 A request is a :class:`Query` (text, task, id) or already-computed
 :class:`~duetime.predict.features.RequestFeatures`. ``Trained`` keeps the features it computes
@@ -56,6 +60,22 @@ class QualitySource(ABC):
         """float64[len(models)]: probability each model answers correctly (LAAR's Q(m, x)).
         Default: the quality read as a probability."""
         return np.clip(self.qualities(request, models), 0.0, 1.0)
+
+    def output_lengths(self, request: RequestLike, models: Sequence[str]) -> np.ndarray | None:
+        """float64[len(models)]: predicted (median) output tokens per model, or None if this
+        source does not predict lengths."""
+        return None
+
+    def quality_table(self, requests: Sequence[RequestLike], models: Sequence[str], *,
+                      success: bool = False) -> np.ndarray:
+        """float64[len(requests), len(models)]: :meth:`qualities` (or, with ``success``,
+        :meth:`successes`) of many requests at once (sources override it when they can
+        vectorise)."""
+        get = self.successes if success else self.qualities
+        out = np.empty((len(requests), len(models)))
+        for i, r in enumerate(requests):
+            out[i] = get(r, models)
+        return out
 
     def quality(self, request: RequestLike, model: str) -> float:
         return float(self.qualities(request, (model,))[0])
@@ -109,18 +129,41 @@ class TaskTable(QualitySource):
                 self._cache[key] = out
         return out.copy()
 
+    def quality_table(self, requests: Sequence[RequestLike], models: Sequence[str], *,
+                      success: bool = False) -> np.ndarray:
+        tasks = [_task_of(r) for r in requests]
+        distinct = list(dict.fromkeys(tasks))
+        rows = np.array([self.qualities(Query(task=t), models) for t in distinct])
+        index = {t: i for i, t in enumerate(distinct)}
+        out = rows[[index[t] for t in tasks]] if tasks else np.empty((0, len(models)))
+        return np.clip(out, 0.0, 1.0) if success else out
+
 
 class Oracle(QualitySource):
     """The simulator's truth, looked up by request id (simulation only).
 
-    The simulator calls :meth:`feed` when it draws a request's per-model quality (and,
-    optionally, success probability) and :meth:`forget` when the request is done."""
+    The simulator either feeds a whole request set at once (:meth:`of_table`) or calls
+    :meth:`feed` when it draws a request's per-model quality (and, optionally, success
+    probability) and :meth:`forget` when the request is done."""
 
     name = "oracle"
 
-    def __init__(self) -> None:
+    def __init__(self, ids: Sequence[Hashable] = (), models: Sequence[str] = (),
+                 quality: np.ndarray | None = None, success: np.ndarray | None = None) -> None:
         self._quality: dict[Hashable, Mapping[str, float]] = {}
         self._success: dict[Hashable, Mapping[str, float]] = {}
+        self._ids = list(ids)
+        self._index = {rid: i for i, rid in enumerate(self._ids)}
+        self._models = tuple(models)
+        self._q = None if quality is None else np.asarray(quality, dtype=np.float64)
+        self._s = None if success is None else np.asarray(success, dtype=np.float64)
+
+    @classmethod
+    def of_table(cls, ids: Sequence[Hashable], models: Sequence[str], quality: np.ndarray,
+                 success: np.ndarray | None = None) -> Oracle:
+        """An oracle of a whole request set's truth: ``quality`` (and ``success``) are
+        (requests, models) arrays in ``ids`` and ``models`` order."""
+        return cls(ids, models, quality, success)
 
     def feed(self, request_id: Hashable, quality: Mapping[str, float],
              success: Mapping[str, float] | None = None) -> None:
@@ -132,10 +175,17 @@ class Oracle(QualitySource):
         self._quality.pop(request_id, None)
         self._success.pop(request_id, None)
 
-    def _lookup(self, table: dict[Hashable, Mapping[str, float]], request: RequestLike,
-                models: Sequence[str], what: str) -> np.ndarray:
-        rid = getattr(request, "id", None)
+    def _row(self, table: dict[Hashable, Mapping[str, float]], matrix: np.ndarray | None,
+             rid: Hashable) -> Mapping[str, float] | None:
         row = table.get(rid) if rid is not None else None
+        if row is None and matrix is not None and rid in self._index:
+            row = dict(zip(self._models, matrix[self._index[rid]].tolist(), strict=True))
+        return row
+
+    def _lookup(self, table: dict[Hashable, Mapping[str, float]], matrix: np.ndarray | None,
+                request: RequestLike, models: Sequence[str], what: str) -> np.ndarray:
+        rid = getattr(request, "id", None)
+        row = self._row(table, matrix, rid)
         if row is None:
             raise KeyError(f"oracle: no {what} fed for request {rid!r}")
         try:
@@ -145,13 +195,22 @@ class Oracle(QualitySource):
                                     f"{e.args[0]!r}") from None
 
     def qualities(self, request: RequestLike, models: Sequence[str]) -> np.ndarray:
-        return self._lookup(self._quality, request, models, "quality")
+        return self._lookup(self._quality, self._q, request, models, "quality")
 
     def successes(self, request: RequestLike, models: Sequence[str]) -> np.ndarray:
         rid = getattr(request, "id", None)
-        if rid in self._success:
-            return self._lookup(self._success, request, models, "success probability")
+        if self._row(self._success, self._s, rid) is not None:
+            return self._lookup(self._success, self._s, request, models, "success probability")
         return np.clip(self.qualities(request, models), 0.0, 1.0)
+
+    def quality_table(self, requests: Sequence[RequestLike], models: Sequence[str], *,
+                      success: bool = False) -> np.ndarray:
+        if (self._q is None or tuple(models) != self._models or self._quality or self._success
+                or [getattr(r, "id", None) for r in requests] != self._ids):
+            return super().quality_table(requests, models, success=success)
+        if success and self._s is not None:
+            return self._s.copy()
+        return np.clip(self._q, 0.0, 1.0) if success else self._q.copy()
 
 
 class Trained(QualitySource):
@@ -160,9 +219,13 @@ class Trained(QualitySource):
 
     name = "trained"
 
-    def __init__(self, predictor: Predictor | str | Path) -> None:
+    def __init__(self, predictor: Predictor | str | Path, *,
+                 fallback: QualitySource | None = None) -> None:
+        """``fallback`` answers for a head the predictor was not trained with (its quality
+        table, say); without one such a question is an error."""
         self.predictor = (predictor if isinstance(predictor, Predictor)
                           else Predictor.load(predictor))
+        self.fallback = fallback
         self._quality_head = "quality" in self.predictor.head_rows
 
     def features(self, request: RequestLike) -> RequestFeatures:
@@ -178,6 +241,8 @@ class Trained(QualitySource):
 
     def qualities(self, request: RequestLike, models: Sequence[str]) -> np.ndarray:
         if not self._quality_head:
+            if self.fallback is not None:
+                return self.fallback.qualities(request, models)
             raise ValueError("this predictor has no quality head (its training data had no "
                              "score)")
         q = self.predict(request, models).quality
@@ -188,6 +253,11 @@ class Trained(QualitySource):
         pred = self.predict(request, models)
         if pred.success is not None:
             return pred.success
+        if self.fallback is not None:
+            return self.fallback.successes(request, models)
         if pred.quality is not None:
             return np.clip(pred.quality, 0.0, 1.0)
         raise ValueError("this predictor has neither a success nor a quality head")
+
+    def output_lengths(self, request: RequestLike, models: Sequence[str]) -> np.ndarray | None:
+        return self.predict(request, models).length_median

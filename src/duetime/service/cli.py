@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import time
 from typing import Any
 
-from duetime.argtypes import port, positive_float
-from duetime.policy import POLICY_NAMES
+from duetime.argtypes import key_value, port, positive_float
+from duetime.policy import policy_names
 
 log = logging.getLogger("duetime.gateway")
 
@@ -39,8 +38,14 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         pool = load_pool(args.config) if args.config else demo_pool(speed=args.speed)
     except ConfigError as e:
         raise error(str(e)) from None
-    if args.policy:
-        pool = dataclasses.replace(pool, policy=args.policy)
+    if args.policy or args.policy_param:
+        name = args.policy or pool.policy
+        params = dict(pool.policy_params) if name == pool.policy else {}
+        params.update(dict(args.policy_param or ()))
+        try:
+            pool = pool.with_policy(name, params)
+        except ConfigError as e:
+            raise error(str(e).replace(f"{pool.source}: policy", "--policy-param")) from None
     try:
         service = Service(pool, host=args.host, port=args.port,
                           drain_timeout_s=args.drain_timeout)
@@ -87,8 +92,12 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, metavar="P",
                    help="port (default 8000; 0 = any free port)")
-    p.add_argument("--policy", choices=POLICY_NAMES, default=None, metavar="NAME",
-                   help=f"override the config's policy: {', '.join(POLICY_NAMES)}")
+    p.add_argument("--policy", choices=policy_names(), default=None, metavar="NAME",
+                   help=f"override the config's policy: {', '.join(policy_names())} "
+                   "(`duetime policies` describes them)")
+    p.add_argument("--policy-param", type=key_value, action="append", default=None,
+                   metavar="NAME=VALUE", help="a parameter of the policy, e.g. delta=2e-6 for "
+                   "sfs-soft (repeatable; `duetime policies` lists each policy's)")
     p.add_argument("--speed", type=positive_float, default=1.0, metavar="X",
                    help="demo pool only: emulated instances run X times faster (default 1)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",

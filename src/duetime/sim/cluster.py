@@ -3,10 +3,12 @@
 Each instance runs the engine (``duetime.engine.Engine``) with its model's batch-time model
 (the truth, optionally with multiplicative per-step noise) and the requests' *true* output
 lengths. The router sees snapshots carrying *predicted* output lengths (true x U(1 - e, 1 + e)),
-and predicted qualities (a per-task table, or the truth: an oracle). Requests arrive in time
-order; before each routing decision every instance is stepped up to the arrival time; the
-chosen instance queues the request at its next step boundary. At the end every instance runs
-until idle, so no request is lost: each one has a first token and a finish.
+and predicted qualities from a :class:`~duetime.predict.QualitySource` (a per-task table, or
+the truth: an oracle), filled in as the policy declares it consumes them. Requests arrive in
+time order (open loop) or from N clients (closed loop, :mod:`duetime.sim.loop`); before each
+routing decision every instance is stepped up to the arrival time; the chosen instance queues
+the request at its next step boundary. At the end every instance runs until idle, so no
+request is lost: each one has a first token and a finish.
 """
 
 from __future__ import annotations
@@ -17,62 +19,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from duetime.engine.compiled import Engine
-from duetime.engine.snapshot import Snapshot
-from duetime.engine.spec import InstanceSpec
-from duetime.estimate.base import Estimator, InstanceStats
+from duetime.estimate.base import Estimator
 from duetime.policy.base import Candidate, Policy, RoutingRequest
+from duetime.policy.registry import QUALITY, SUCCESS
+from duetime.predict.quality_source import Oracle, QualitySource, Query, TaskTable
+from duetime.sim.instance import SimInstance
+from duetime.sim.loop import run_clients
 from duetime.workload.profile import WorkloadProfile
 from duetime.workload.requests import RequestSet
 
-STATS_WINDOW = 256  # recent requests an instance's time-averaged stats look at
-
 # Predicted output lengths for a request set: (requests, rng) -> (n, models) array.
 LengthModel = Callable[[RequestSet, np.random.Generator], np.ndarray]
-
-
-class SimInstance:
-    """One simulated instance and the live view of it a router gets."""
-
-    def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0) -> None:
-        self.name = name
-        self.spec = spec
-        self.engine = Engine(spec.config, spec.batch_time, noise=noise)
-        self.now = 0.0
-
-    # InstanceView
-    @property
-    def num_running(self) -> int:
-        return self.engine.num_running
-
-    @property
-    def num_waiting(self) -> int:
-        return self.engine.num_waiting
-
-    @property
-    def kv_usage(self) -> float:
-        return self.engine.kv_usage
-
-    request_overhead_s = 0.0  # the simulator's requests reach the engine at once
-
-    def snapshot(self) -> Snapshot:
-        return self.engine.snapshot()
-
-    @property
-    def stats(self) -> InstanceStats:
-        """Averages over the instance's last ``STATS_WINDOW`` requests, as seen at ``now``."""
-        h = self.engine.history(last=STATS_WINDOW)
-        if not len(h):
-            return InstanceStats()
-        arrival, first, fin = h.arrival, h.first_token, h.finish_time
-        got_first = first <= self.now
-        done = fin <= self.now
-        return InstanceStats(
-            elapsed_s=max(self.now - float(arrival[0]), 1e-9), arrivals=len(h),
-            ttft_s_sum=float((first - arrival)[got_first].sum()),
-            ttft_count=int(got_first.sum()),
-            e2e_s_sum=float((fin - arrival)[done].sum()), e2e_count=int(done.sum()),
-            prompt_tokens_sum=int(h.prompt.sum()), output_tokens_sum=int(h.output[done].sum()))
 
 
 @dataclass(slots=True)
@@ -129,16 +86,18 @@ class ClusterSim:
 
     def __init__(self, profile: WorkloadProfile, policy: Policy, *,
                  instances: list[tuple[str, str]] | None = None, noise: float = 0.0,
-                 length_error: float = 0.3, quality: str = "table", seed: int = 0,
+                 length_error: float = 0.3, quality: str | QualitySource = "table",
+                 seed: int = 0,
                  charge_overhead: bool = False,
                  shadow_estimators: tuple[Estimator, ...] = (),
                  length_model: LengthModel | None = None) -> None:
         """``instances``: (instance name, model name) pairs; default one per model.
-        ``quality``: ``table`` (per-task mean accuracy) or ``oracle`` (the truth).
+        ``quality``: ``table`` (per-task mean accuracy), ``oracle`` (the truth), or any
+        :class:`~duetime.predict.QualitySource` (asked with each request's task and id).
         ``length_model``: predicted output lengths, (requests, rng) -> (n, models) array; by
         default the truth x U(1 - length_error, 1 + length_error)."""
-        if quality not in ("table", "oracle"):
-            raise ValueError(f"quality: 'table' or 'oracle', got {quality!r}")
+        if not isinstance(quality, QualitySource) and quality not in ("table", "oracle"):
+            raise ValueError(f"quality: 'table', 'oracle' or a QualitySource, got {quality!r}")
         self.profile = profile
         self.policy = policy
         pairs = instances or [(m, m) for m in profile.model_names]
@@ -179,12 +138,13 @@ class ClusterSim:
                 raise ValueError(f"length_model returned shape {pred_out.shape}, expected "
                                  f"{requests.output.shape}")
         pred_out = np.maximum(1, np.rint(pred_out)).astype(np.int64)
-        if self.quality == "oracle":
-            pred_q = requests.quality
-        else:
-            table = np.array([[prof.tasks[t].accuracy[m] for m in models]
-                              for t in requests.tasks])
-            pred_q = table[requests.task]
+        source = self.quality_source(requests)
+        queries = [Query(task=requests.tasks[k], id=str(i))
+                   for i, k in enumerate(requests.task.tolist())]
+        needs = self.policy.consumes
+        pred_q = source.quality_table(queries, models) if QUALITY in needs else None
+        pred_s = source.quality_table(queries, models, success=True) if SUCCESS in needs \
+            else None
         cands = [Candidate(i.name, models[mi], i.spec.price_prompt, i.spec.price_output, i)
                  for i, mi in zip(insts, inst_model, strict=True)]
         cand_model = np.array(inst_model)
@@ -197,9 +157,11 @@ class ClusterSim:
             """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``)."""
             for inst in insts:
                 inst.now = t
-            req = RoutingRequest(str(i), int(requests.prompt[i]), pred_q[i, cand_model],
+            req = RoutingRequest(str(i), int(requests.prompt[i]),
+                                 None if pred_q is None else pred_q[i, cand_model],
                                  pred_out[i, cand_model], float(requests.target[i]),
-                                 requests.tasks[requests.task[i]])
+                                 requests.tasks[requests.task[i]],
+                                 success=None if pred_s is None else pred_s[i, cand_model])
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
@@ -237,33 +199,41 @@ class ClusterSim:
                          fin, forecast, shadow, overhead, prof.lam, prices,
                          wallclock.perf_counter() - t_wall)
 
+    def quality_source(self, requests: RequestSet) -> QualitySource:
+        """What the router predicts quality (and success) with for ``requests``."""
+        if isinstance(self.quality, QualitySource):
+            return self.quality
+        if self.quality == "oracle":
+            return Oracle.of_table([str(i) for i in range(len(requests))], requests.models,
+                                   requests.quality)
+        prof = self.profile
+        return TaskTable({t: {m: prof.tasks[t].accuracy[m] for m in requests.models}
+                          for t in requests.tasks})
+
     @staticmethod
     def _closed_loop(requests: RequestSet, insts: list[SimInstance], clients: int,
                      dispatch) -> RequestSet:
-        """Event loop for N clients: the busy instance with the earliest clock steps next; a
-        request that finishes at ``t`` makes its client send the next one at ``t``, routed
-        once every busy instance has reached ``t``."""
+        """N clients, each sending its next request when its previous one finishes
+        (:func:`~duetime.sim.loop.run_clients`); request i is the i-th sent."""
         if clients < 1:
             raise ValueError(f"closed_loop: needs >= 1 client, got {clients}")
         out = _closed_loop_times(requests)
         n = len(requests)
-        pending = [0.0] * min(clients, n)  # send times, sorted
-        nxt = 0
-        while pending or any(not inst.engine.idle for inst in insts):
-            busy = [inst for inst in insts if not inst.engine.idle]
-            horizon = min((inst.engine.time for inst in busy), default=float("inf"))
-            if pending and pending[0] <= horizon:
-                t = pending.pop(0)
-                for inst in insts:
-                    if inst.engine.idle:
-                        inst.engine.advance_clock(t)
-                out.arrival[nxt] = t
-                dispatch(nxt, t)
-                nxt += 1
-                continue
-            step = min(busy, key=lambda inst: inst.engine.time).engine.step()
-            for _ in (step.finished if step else ()):
-                if nxt + len(pending) < n:
-                    pending.append(step.end)
-            pending.sort()
+        planned = min(clients, n)
+        sent = 0
+
+        def send(t: float, _item: object) -> None:
+            nonlocal sent
+            out.arrival[sent] = t
+            dispatch(sent, t)
+            sent += 1
+
+        def finished(_rid: str, _t: float) -> list[None]:
+            nonlocal planned
+            if planned < n:  # the client sends its next request
+                planned += 1
+                return [None]
+            return []
+
+        run_clients(insts, [(0.0, None)] * planned, send, finished)
         return out

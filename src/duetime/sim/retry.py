@@ -10,7 +10,6 @@ including the first correct one, right-censored at the cap.
 
 from __future__ import annotations
 
-import heapq
 import time as wallclock
 from dataclasses import dataclass
 
@@ -18,7 +17,9 @@ import numpy as np
 
 from duetime.engine.spec import InstanceSpec
 from duetime.policy.base import Candidate, Policy, RoutingRequest
-from duetime.sim.cluster import SimInstance
+from duetime.predict.quality_source import QualitySource, Query
+from duetime.sim.instance import SimInstance
+from duetime.sim.loop import run_clients
 
 
 @dataclass(slots=True)
@@ -50,59 +51,55 @@ class RetryResult:
 
 
 def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: np.ndarray,
-                output_tokens: np.ndarray, correct: np.ndarray, success_pred: np.ndarray, *,
-                clients: int = 8, retry_cap: int = 10, length_error: float = 0.0,
-                seed: int = 0) -> RetryResult:
-    """Serve queries with retries. ``correct`` and ``success_pred`` are (queries, models) in
-    ``models`` order: the ground truth and the router's predicted success probabilities;
-    ``output_tokens`` (queries, models) the true answer lengths."""
+                output_tokens: np.ndarray, correct: np.ndarray,
+                success: np.ndarray | QualitySource, *, clients: int = 8, retry_cap: int = 10,
+                length_error: float = 0.0, seed: int = 0,
+                task: str = "kv-lookup") -> RetryResult:
+    """Serve queries with retries. ``correct`` is (queries, models) in ``models`` order: the
+    ground truth; ``success`` the router's predicted success probabilities: a
+    :class:`~duetime.predict.QualitySource` (asked with ``task`` and the query's index as id) or
+    a (queries, models) array; ``output_tokens`` (queries, models) the true answer lengths. The
+    event loop is the simulator's one (:func:`~duetime.sim.loop.run_clients`); a wrong answer's
+    retry is its ``finished`` hook."""
     t_wall = wallclock.perf_counter()
     names = list(models)
+    n = len(prompt_tokens)
+    success_pred = (success.quality_table([Query(task=task, id=str(q)) for q in range(n)],
+                                          names, success=True)
+                    if isinstance(success, QualitySource) else np.asarray(success, dtype=float))
     insts = [SimInstance(m, models[m]) for m in names]
     cands = [Candidate(m, m, 0.0, 0.0, inst) for m, inst in zip(names, insts, strict=True)]
     rng = np.random.default_rng(seed)
     e = length_error
     pred_out = np.maximum(1, np.rint(output_tokens * rng.uniform(1 - e, 1 + e,
                                                                  output_tokens.shape)))
-    n = len(prompt_tokens)
     attempts: list[list[tuple[str, float, bool]]] = [[] for _ in range(n)]
     tried: list[set[str]] = [set() for _ in range(n)]
-    pending: list[tuple[float, int, int]] = []  # (send time, sequence, query)
-    seq = 0
-    next_query = 0
-    for _ in range(min(clients, n)):
-        heapq.heappush(pending, (0.0, seq, next_query))
-        seq += 1
-        next_query += 1
     inflight: dict[str, tuple[int, int, float]] = {}  # request id -> (query, model, sent)
-    while pending or inflight:
-        busy = [i for i in insts if not i.engine.idle]
-        horizon = min((i.engine.time for i in busy), default=float("inf"))
-        if pending and pending[0][0] <= horizon:
-            t, _, q = heapq.heappop(pending)
-            for inst in insts:
-                if inst.engine.idle:
-                    inst.engine.advance_clock(t)
-                inst.now = t
-            req = RoutingRequest(f"{q}.{len(attempts[q])}", int(prompt_tokens[q]),
-                                 success_pred[q], pred_out[q], float("inf"), "kv-lookup",
-                                 session=str(q), attempted=frozenset(tried[q]))
-            d = policy.choose(req, cands, t)
-            mi = d.index
-            insts[mi].engine.add(req.id, int(prompt_tokens[q]), int(output_tokens[q, mi]),
-                                 predicted_output_tokens=int(pred_out[q, mi]), arrival=t)
-            inflight[req.id] = (q, mi, t)
-            continue
-        step = min(busy, key=lambda i: i.engine.time).engine.step()
-        for rid in step.finished if step else ():
-            q, mi, sent = inflight.pop(rid)
-            ok = bool(correct[q, mi])
-            attempts[q].append((names[mi], step.end - sent, ok))
-            tried[q].add(names[mi])
-            if not ok and len(attempts[q]) < retry_cap:
-                heapq.heappush(pending, (step.end, seq, q))  # retry at once
-            elif next_query < n:  # the client moves on to its next query
-                heapq.heappush(pending, (step.end, seq, next_query))
-                next_query += 1
-            seq += 1
+    next_query = min(clients, n)
+
+    def dispatch(t: float, q: int) -> None:
+        req = RoutingRequest(f"{q}.{len(attempts[q])}", int(prompt_tokens[q]), None,
+                             pred_out[q], float("inf"), task, session=str(q),
+                             attempted=frozenset(tried[q]), success=success_pred[q])
+        mi = policy.choose(req, cands, t).index
+        insts[mi].engine.add(req.id, int(prompt_tokens[q]), int(output_tokens[q, mi]),
+                             predicted_output_tokens=int(pred_out[q, mi]), arrival=t)
+        inflight[req.id] = (q, mi, t)
+
+    def finished(rid: str, t: float) -> list[int]:
+        """A wrong answer is retried at once (up to the cap); else the client moves on."""
+        nonlocal next_query
+        q, mi, sent = inflight.pop(rid)
+        ok = bool(correct[q, mi])
+        attempts[q].append((names[mi], t - sent, ok))
+        tried[q].add(names[mi])
+        if not ok and len(attempts[q]) < retry_cap:
+            return [q]
+        if next_query < n:
+            next_query += 1
+            return [next_query - 1]
+        return []
+
+    run_clients(insts, [(0.0, q) for q in range(min(clients, n))], dispatch, finished)
     return RetryResult(names, attempts, wallclock.perf_counter() - t_wall)

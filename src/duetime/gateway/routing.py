@@ -1,0 +1,221 @@
+"""Routing one request: read its controls, count its prompt, predict what the policy consumes,
+choose among the candidates, and retry elsewhere when an attempt fails before the client got
+anything.
+
+What is predicted and kept fresh follows the policy's declaration
+(:mod:`duetime.policy.registry`): the shadow replicas of the candidates are brought to the
+decision's time only for a policy that consumes snapshots; quality, success probability and
+output length are asked of the quality source (the pool's per-task table, or its trained
+predictor with the table as fallback) only when consumed, and left ``None`` otherwise.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import secrets
+import time
+
+import numpy as np
+
+from duetime.gateway.config import Pool
+from duetime.gateway.instance import InstanceState
+from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.relay import AttemptFailed, Controls, Passthrough, Relay
+from duetime.policy.base import Policy, RoutingRequest
+from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, SUCCESS
+from duetime.predict.quality_source import QualitySource, Query, TaskTable
+from duetime.serving.asgi import Scope, Send, header, send_json
+from duetime.serving.errors import ApiError
+from duetime.serving.requests import CompletionRequest, prompt_texts
+
+log = logging.getLogger("duetime.gateway")
+
+MEAN_TASK = "*"  # no task given and no default: each model's mean quality over the tasks
+
+
+class Router:
+    """Chooses instances for requests and runs the attempts (through the :class:`Relay`)."""
+
+    def __init__(self, pool: Pool, policy: Policy, instances: list[InstanceState],
+                 metrics: GatewayMetrics, relay: Relay) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.consumes = policy.consumes
+        self.instances = instances
+        self.metrics = metrics
+        self.relay = relay
+        self.by_model: dict[str, list[InstanceState]] = {}
+        for s in instances:
+            self.by_model.setdefault(s.model, []).append(s)
+        self.tasks = list(pool.quality)
+        self.default_task = pool.default_task or MEAN_TASK
+        table = TaskTable({t: {m: pool.quality[t][m] for m in pool.models} for t in self.tasks})
+        self.source: QualitySource = table
+        if pool.predictor is not None:
+            from duetime.predict.quality_source import Trained
+            self.source = Trained(pool.predictor, fallback=table)
+        self.tokenizer = None
+        if pool.tokenizer is not None:
+            from duetime.predict.tokens import HFTokenizer
+            self.tokenizer = HFTokenizer(pool.tokenizer)
+        self._ids = itertools.count(1)
+        self._prefix = secrets.token_hex(3)
+
+    # -- the request ------------------------------------------------------------------------------
+
+    def controls(self, scope: Scope, prompt_tokens: int) -> Controls:
+        """The request's headers: ``x-duetime-ttft-ms``, ``x-duetime-attempted``,
+        ``x-session-id``, ``x-duetime-task`` (400 on a bad value)."""
+        raw = header(scope, b"x-duetime-ttft-ms")
+        if raw is None:
+            target_ms = self.pool.target_ms(prompt_tokens)
+        else:
+            try:
+                target_ms = float(raw)
+            except ValueError:
+                target_ms = math.nan
+            if not (math.isfinite(target_ms) and 0 < target_ms <= 3.6e6):
+                raise ApiError(400, f"x-duetime-ttft-ms must be a number of milliseconds in "
+                               f"(0, 3600000], got {raw!r}", param="x-duetime-ttft-ms",
+                               code="invalid_header")
+        attempted: frozenset[str] = frozenset()
+        raw = header(scope, b"x-duetime-attempted")
+        if raw is not None and raw.strip():
+            names = [n.strip() for n in raw.split(",")]
+            if any(not n for n in names) or len(names) > 100:
+                raise ApiError(400, f"x-duetime-attempted must be a comma-separated list of "
+                               f"model names, got {raw!r}", param="x-duetime-attempted",
+                               code="invalid_header")
+            attempted = frozenset(names)
+        session = header(scope, b"x-session-id")
+        task = header(scope, b"x-duetime-task")
+        if task is None:
+            task = self.default_task
+        elif task not in self.tasks:
+            raise ApiError(400, f"x-duetime-task: unknown task {task!r}; known: "
+                           f"{', '.join(self.tasks)}", param="x-duetime-task",
+                           code="invalid_header")
+        return Controls(target_ms / 1000.0, attempted, session or None, task)
+
+    def candidates(self, model: str | None) -> list[InstanceState]:
+        """The instances a request for ``model`` may go to (an alias: all; 404 if unknown)."""
+        if model is None or model in self.pool.aliases:
+            return self.instances
+        insts = self.by_model.get(model)
+        if insts is None:
+            raise ApiError(404, f"The model `{model}` does not exist. Models: "
+                           f"{', '.join([*self.pool.aliases, *self.by_model])}",
+                           param="model", code="model_not_found")
+        return insts
+
+    def count_tokens(self, req: CompletionRequest) -> int:
+        """Prompt tokens: with the pool's tokenizer, a completion's prompt exactly (token ids
+        are counted as given) and chat as 3 + Σ (4 + tokens(content)), the chat template's
+        per-message markers estimated as in the emulator; without one, the estimate."""
+        tok = self.tokenizer
+        if tok is None:
+            return req.prompt_tokens
+        if req.chat:
+            return 3 + sum(4 + (tok.count(t) if t else 0) for t in prompt_texts(req))
+        prompt = req.body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        return tok.count(prompt) if isinstance(prompt, str) else req.prompt_tokens
+
+    def predict(self, req: CompletionRequest,
+                ctl: Controls) -> tuple[dict | None, dict | None, dict | None]:
+        """Per model, what the policy consumes: predicted quality, success probability and
+        (median) output length; None where not consumed (or, for lengths, not predicted)."""
+        needs = self.consumes
+        if not needs & {QUALITY, SUCCESS, OUTPUT_LENGTH}:
+            return None, None, None
+        models = self.pool.models
+        text = "\n".join(prompt_texts(req)) if self.pool.predictor is not None else ""
+        query = Query(text, None if ctl.task == MEAN_TASK else ctl.task,
+                      tokens=req.prompt_tokens)
+
+        def per_model(values: np.ndarray | None) -> dict | None:
+            return None if values is None else dict(zip(models, values.tolist(), strict=True))
+
+        src = self.source
+        return (per_model(src.qualities(query, models)) if QUALITY in needs else None,
+                per_model(src.successes(query, models)) if SUCCESS in needs else None,
+                per_model(src.output_lengths(query, models)) if OUTPUT_LENGTH in needs
+                else None)
+
+    # -- choose and attempt -------------------------------------------------------------------------
+
+    async def route(self, req: CompletionRequest, ctl: Controls, insts: list[InstanceState],
+                    chat: bool, send: Send, t0: float) -> int:
+        """Choose, attempt, retry; returns the status answered (raises ApiError for 502/503)."""
+        pool = self.pool
+        rid = f"dt-{self._prefix}-{next(self._ids):x}"
+        predicted = (min(req.max_tokens, pool.default_output_tokens) if req.max_tokens
+                     else pool.default_output_tokens)
+        body = dict(req.body)
+        body["stream"] = True
+        # usage is always asked for upstream (the gateway counts tokens with it); the client's
+        # other stream options (vLLM's continuous_usage_stats) go along
+        opts = body.get("stream_options")
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
+                                  "include_usage": True}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        quality, success, lengths = self.predict(req, ctl)
+        cap = predicted if req.max_tokens else 1 << 30
+        fresh = SNAPSHOT in self.consumes
+        load = METRICS in self.consumes
+        tried: set[str] = set()
+        errors: list[str] = []
+        attempt = 0
+        while True:
+            cands = [s for s in insts if s.healthy and s.name not in tried]
+            if not cands or attempt > pool.retries:
+                what = "any model" if insts is self.instances else f"model `{insts[0].model}`"
+                if not errors:
+                    raise ApiError(503, f"no healthy instance serves {what}",
+                                   code="no_healthy_instance")
+                raise ApiError(502, f"upstream failed after {len(errors)} attempt(s): "
+                               + "; ".join(errors), code="upstream_failed")
+            now = time.monotonic()
+            if fresh:
+                for s in cands:
+                    s.refresh(now)
+            rr = RoutingRequest(
+                rid, req.prompt_tokens,
+                None if quality is None else np.array([quality[c.model] for c in cands]),
+                np.array([predicted if lengths is None else
+                          max(1, min(cap, round(lengths.get(c.model, predicted))))
+                          for c in cands]),
+                max(0.0, ctl.target_s - (now - t0)), ctl.task, ctl.session, ctl.attempted,
+                None if success is None else np.array([success[c.model] for c in cands]))
+            decision = self.policy.choose(rr, [c.candidate for c in cands], now)
+            inst = cands[decision.index]
+            tried.add(inst.name)
+            attempt += 1
+            if attempt > 1:
+                self.metrics.retries.inc()
+            self.metrics.decisions.labels(inst.name, inst.model).inc()
+            self.metrics.state_source.labels(inst.name, inst.source(load)).inc()
+            body["model"] = inst.instance.served_model
+            fid = f"{rid}-{attempt}"
+            flight = inst.dispatch(fid, req.prompt_tokens, predicted, time.monotonic(),
+                                   decision.forecast)
+            if attempt == 1:
+                self.metrics.overhead.observe(time.monotonic() - t0)
+            try:
+                return await self.relay.attempt(inst, flight, path, json.dumps(body).encode(),
+                                                req, ctl, chat, send, t0, rid, attempt)
+            except AttemptFailed as e:
+                inst.health.report_failure(e.kind, str(e))
+                self.metrics.upstream_errors.labels(inst.name, e.kind).inc()
+                errors.append(f"{inst.name}: {e}")
+                log.warning("upstream attempt failed", extra={"fields": {
+                    "event": "upstream_error", "id": rid, "instance": inst.name,
+                    "kind": e.kind, "error": str(e), "attempt": attempt}})
+            except Passthrough as e:
+                await send_json(send, e.status, e.body, [(b"x-duetime-instance",
+                                                          inst.name.encode())])
+                return e.status

@@ -1,0 +1,92 @@
+"""The shadow replica: a compiled engine copy of one instance, advanced in real time and
+corrected by what the gateway sees (works with any OpenAI-compatible server).
+
+A dispatched request joins the replica's waiting queue with its estimated prompt and its
+predicted output length (as the snapshot's ``predicted_output_tokens``; the replica never
+finishes a request by itself: past its prediction the forecaster's remaining-length estimate
+applies). Its first streamed chunk marks its prefill done (``Engine.observe``); the streamed
+token counts correct the replica's outputs (at most every ``sync_interval_s``, vectorised); on
+completion, failure or cancellation it leaves the replica (``Engine.abort``).
+
+Time moves only in :meth:`ShadowReplica.refresh` (and before each event): reading a snapshot
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from duetime.engine.compiled import Engine
+from duetime.engine.scheduler import EngineStuck
+from duetime.engine.snapshot import Snapshot
+from duetime.engine.spec import InstanceSpec
+from duetime.gateway.inflight import Flight
+
+log = logging.getLogger("duetime.gateway")
+
+
+class ShadowReplica:
+    """The replica of one instance (``name``, for logs)."""
+
+    def __init__(self, name: str, spec: InstanceSpec, now: float,
+                 sync_interval_s: float) -> None:
+        self.name = name
+        self.engine = Engine(spec.config, spec.batch_time, time=now, retain_finished=False)
+        self.sync_interval_s = sync_interval_s
+        self._last_sync = -math.inf
+
+    @property
+    def idle(self) -> bool:
+        return self.engine.idle
+
+    def _advance(self, now: float) -> None:
+        eng = self.engine
+        try:
+            eng.run_until(now)
+        except EngineStuck as e:  # a request the replica cannot hold: drop it from the replica
+            log.warning("shadow replica stuck", extra={"fields": {
+                "instance": self.name, "error": str(e)}})
+            for rid in eng.waiting_ids()[:1]:
+                eng.abort(rid)
+
+    def refresh(self, now: float, flights: Mapping[str, Flight]) -> None:
+        """Advance to ``now`` and apply the streamed token counts (at most every
+        ``sync_interval_s``)."""
+        self._advance(now)
+        if now - self._last_sync < self.sync_interval_s:
+            return
+        self._last_sync = now
+        fl = [f for f in flights.values() if f.tokens >= 1 and f.shadowed]
+        if fl:
+            outs = np.fromiter((f.tokens for f in fl), dtype=np.int64, count=len(fl))
+            self.engine.observe_many([f.id for f in fl], outs)
+
+    def snapshot(self) -> Snapshot:
+        """The replica as of its last refresh (built once per state)."""
+        return self.engine.snapshot()
+
+    def add(self, flight: Flight, now: float) -> None:
+        """A dispatched request joins the waiting queue at ``now``."""
+        eng = self.engine
+        if flight.prompt_tokens + 1 >= eng.config.max_model_len:
+            return
+        if eng.idle:
+            eng.set_clock(now)
+        else:
+            self._advance(now)
+        eng.add(flight.id, flight.prompt_tokens, eng.config.max_model_len,
+                predicted_output_tokens=flight.predicted, arrival=now)
+        flight.shadowed = True
+
+    def first_token(self, flight: Flight, now: float) -> None:
+        if flight.shadowed:
+            self._advance(now)
+            self.engine.observe(flight.id, flight.tokens)
+
+    def remove(self, flight: Flight) -> None:
+        if flight.shadowed:
+            self.engine.abort(flight.id)

@@ -1,0 +1,18 @@
+"""The registered policies: one line each (see :mod:`duetime.policy.registry`)."""
+
+from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue
+from duetime.policy.latency import LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
+from duetime.policy.registry import register
+from duetime.policy.retry import ExpectedTtca, Laar, SessionAffinity
+
+register(RoundRobin)
+register(ShortestQueue)
+register(LoadAware)
+register(LatencyAgnostic)
+register(Sfs)
+register(SoftSfs)
+register(Throughput)
+register(Lps)
+register(SessionAffinity)
+register(Laar)
+register(ExpectedTtca)

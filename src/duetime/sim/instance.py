@@ -1,0 +1,56 @@
+"""One simulated instance: a compiled engine with the "true" timing, and the live view of it a
+router gets (the policies' :class:`~duetime.estimate.base.InstanceView`)."""
+
+from __future__ import annotations
+
+from duetime.engine.compiled import Engine
+from duetime.engine.snapshot import Snapshot
+from duetime.engine.spec import InstanceSpec
+from duetime.estimate.base import InstanceStats
+
+STATS_WINDOW = 256  # recent requests an instance's time-averaged stats look at
+
+
+class SimInstance:
+    """One simulated instance and the live view of it a router gets. ``now`` is the simulated
+    time of the decision being made (set by the simulator before it routes)."""
+
+    def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0) -> None:
+        self.name = name
+        self.spec = spec
+        self.engine = Engine(spec.config, spec.batch_time, noise=noise)
+        self.now = 0.0
+
+    # InstanceView
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.engine.kv_usage
+
+    request_overhead_s = 0.0  # the simulator's requests reach the engine at once
+
+    def snapshot(self) -> Snapshot:
+        return self.engine.snapshot()
+
+    @property
+    def stats(self) -> InstanceStats:
+        """Averages over the instance's last ``STATS_WINDOW`` requests, as seen at ``now``."""
+        h = self.engine.history(last=STATS_WINDOW)
+        if not len(h):
+            return InstanceStats()
+        arrival, first, fin = h.arrival, h.first_token, h.finish_time
+        got_first = first <= self.now
+        done = fin <= self.now
+        return InstanceStats(
+            elapsed_s=max(self.now - float(arrival[0]), 1e-9), arrivals=len(h),
+            ttft_s_sum=float((first - arrival)[got_first].sum()),
+            ttft_count=int(got_first.sum()),
+            e2e_s_sum=float((fin - arrival)[done].sum()), e2e_count=int(done.sum()),
+            prompt_tokens_sum=int(h.prompt.sum()), output_tokens_sum=int(h.output[done].sum()))

@@ -1,0 +1,47 @@
+"""The simulator's one closed-loop event loop.
+
+Clients send requests; a request's end may make its client send another one (its next
+request, or a retry of the same one: the ``finished`` hook decides). The busy instance with the
+earliest clock steps next; a pending send at ``t`` is dispatched once every busy instance has
+reached ``t`` (idle instances' clocks jump to it), so routing sees every instance as it is at
+``t``. Sends at the same time go out in the order they were made.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from duetime.sim.instance import SimInstance
+
+
+def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]],
+                dispatch: Callable[[float, Any], None],
+                finished: Callable[[str, float], Iterable[Any]]) -> None:
+    """Run until no send is pending and every instance is idle.
+
+    ``sends``: the first sends, (time, item). ``dispatch(t, item)`` routes and queues one
+    request at ``t`` (every instance's ``now`` is ``t``). ``finished(request_id, t)`` is called
+    for each request that ends at ``t`` and yields the items its client sends at ``t``."""
+    heap = [(t, k, item) for k, (t, item) in enumerate(sends)]
+    heapq.heapify(heap)
+    seq = len(heap)
+    while True:
+        busy = [i for i in insts if not i.engine.idle]
+        if not heap and not busy:
+            return
+        horizon = min((i.engine.time for i in busy), default=float("inf"))
+        if heap and heap[0][0] <= horizon:
+            t, _, item = heapq.heappop(heap)
+            for inst in insts:
+                if inst.engine.idle:
+                    inst.engine.advance_clock(t)
+                inst.now = t
+            dispatch(t, item)
+            continue
+        step = min(busy, key=lambda i: i.engine.time).engine.step()
+        for rid in step.finished if step else ():
+            for item in finished(rid, step.end):
+                heapq.heappush(heap, (step.end, seq, item))
+                seq += 1
