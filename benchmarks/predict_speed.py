@@ -39,8 +39,8 @@ import numpy as np
 
 from duetime.predict import HFTokenizer, Predictor, parse_row, text_features
 from duetime.predict import text_scan as ts
-from duetime.predict.synth import synth_rows
 from duetime.predict.training import TrainOptions, train
+from duetime.workload.synth import synth_rows
 
 MODELS = ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"]
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from duetime.predict import (
 )
 from duetime.predict import text_scan as ts
 from duetime.predict.pca import N_COMPONENTS, HashedPCA
-from duetime.predict.synth import synth_rows
+from duetime.workload.synth import synth_rows
 
 # -- language -----------------------------------------------------------------------------------
 

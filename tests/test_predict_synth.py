@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from duetime.predict import parse_row, text_features
-from duetime.predict.synth import synth_rows
 from duetime.workload import load_workload
+from duetime.workload.synth import synth_rows
 
 
 @pytest.fixture(scope="module")

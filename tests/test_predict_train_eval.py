@@ -21,8 +21,8 @@ from duetime.predict import (
     remaining_tokens,
 )
 from duetime.predict.evaluation import evaluate
-from duetime.predict.synth import synth_rows
 from duetime.predict.training import TrainingError, TrainOptions, train
+from duetime.workload.synth import synth_rows
 
 MODELS = ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"]
 

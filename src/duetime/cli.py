@@ -348,10 +348,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from duetime.experiments.cli import add_commands as add_experiment_commands
     from duetime.workload.cli import add_commands as add_workload_commands
+    from duetime.workload.cli import add_synth_command
     add_experiment_commands(sub, command, CliError)
     add_workload_commands(sub, command, CliError)
     from duetime.predict.cli import add_commands as add_predict_commands
-    add_predict_commands(sub, command, CliError)
+    add_synth_command(add_predict_commands(sub, command, CliError), command, CliError)
     from duetime.emulator.cli import add_commands as add_emulator_commands
     add_emulator_commands(sub, command, CliError)
     from duetime.service.cli import add_commands as add_gateway_commands

@@ -30,7 +30,6 @@ from duetime.predict.predictor import (
 )
 from duetime.predict.quality_source import Oracle, QualitySource, Query, TaskTable, Trained
 from duetime.predict.remaining import remaining_tokens
-from duetime.predict.synth import synth_rows, write_synth
 from duetime.predict.tokens import FAST, FastEstimate, HFTokenizer, Tokenizer
 from duetime.predict.training import TrainingError, TrainOptions, train
 
@@ -64,8 +63,6 @@ __all__ = [
     "parse_row",
     "read_rows",
     "remaining_tokens",
-    "synth_rows",
     "text_features",
     "train",
-    "write_synth",
 ]

@@ -1,4 +1,5 @@
-"""``duetime predict train | eval | synth``: registered on the main argparse tree.
+"""``duetime predict train | eval``: registered on the main argparse tree (``predict synth``,
+which draws from a workload profile, is :mod:`duetime.workload.cli`'s).
 
 Kept light at import (the main CLI imports this for every command): LightGBM, scikit-learn
 and the training code load only when a predict command runs. Bad input is raised as the error
@@ -115,27 +116,11 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- synth --------------------------------------------------------------------------------------
-
-def _cmd_synth(args: argparse.Namespace) -> int:
-    from duetime.predict.synth import write_synth
-    from duetime.workload import ProfileError
-
-    try:
-        n = write_synth(args.out, args.n, args.seed, args.workload)
-    except ProfileError as e:
-        raise _cli_error(str(e)) from None
-    except OSError as e:
-        raise _cli_error(f"{args.out}: cannot write: {e.strerror or e}") from None
-    print(f"wrote {n} SYNTHETIC rows ({args.n} prompts x {n // args.n} models, workload "
-          f"{args.workload}, seed {args.seed}) to {args.out}")
-    return 0
-
-
 # -- registration -------------------------------------------------------------------------------
 
-def add_commands(subparsers: Any, command: Command, error: type[Exception]) -> None:
-    """Register ``predict train|eval|synth``. ``command(name, run, help, description,
+def add_commands(subparsers: Any, command: Command, error: type[Exception]) -> Any:
+    """Register ``predict train|eval`` and return the ``predict`` group's subparsers (for
+    ``predict synth``). ``command(name, run, help, description,
     into=...)`` is the main CLI's parser factory (it keeps the one-line error convention);
     ``error`` is the exception it reports as ``duetime: error: ...`` (exit 2)."""
     _ERROR[0] = error
@@ -173,17 +158,4 @@ def add_commands(subparsers: Any, command: Command, error: type[Exception]) -> N
                    '"success": {...}} as JSON')
     p.add_argument("--indent", type=count, default=None, metavar="N",
                    help="indent the JSON output by N spaces (default: one line)")
-
-    p = command("synth", _cmd_synth, "write a synthetic judged data set",
-                "Write a SYNTHETIC judged data set (JSONL; every row has \"synthetic\": true): "
-                "prompts per task of a workload profile (default paper: the SFS paper's four "
-                "tasks and three Qwen3 models, with its prompt and output lengths), some in "
-                "Chinese, Japanese or Korean, judged by a known generator whose quality depends "
-                "on the prompt's content and length. For tests and demos, not for claims about "
-                "real models.", into=sub)
-    p.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
-    p.add_argument("--n", type=positive_int, default=2000, metavar="N",
-                   help="number of prompts (one row per prompt and model; default 2000)")
-    p.add_argument("--workload", default="paper", metavar="NAME|FILE",
-                   help="workload profile: a built-in name or a YAML file (default paper)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
+    return sub

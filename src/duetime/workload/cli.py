@@ -1,4 +1,5 @@
-"""``duetime workload kv-lookup``: the LAAR paper's KV-lookup queries as JSONL."""
+"""``duetime workload kv-lookup`` (the LAAR paper's KV-lookup queries as JSONL) and
+``duetime predict synth`` (a synthetic judged data set drawn from a workload profile)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from duetime.argtypes import positive_int
 from duetime.workload.kvlookup import FRAMES, estimate_tokens, generate, tokenizer_counter
 
 
@@ -31,6 +33,38 @@ def _cmd_kv_lookup(args: argparse.Namespace, error: type[Exception]) -> int:
     print(f"wrote {len(queries)} queries ({args.n} per context x language; half fit, half "
           f"eval) to {args.out}", file=sys.stderr)
     return 0
+
+
+def _cmd_synth(args: argparse.Namespace, error: type[Exception]) -> int:
+    from duetime.workload.profile import ProfileError
+    from duetime.workload.synth import write_synth
+
+    try:
+        n = write_synth(args.out, args.n, args.seed, args.workload)
+    except ProfileError as e:
+        raise error(str(e)) from None
+    except OSError as e:
+        raise error(f"{args.out}: cannot write: {e.strerror or e}") from None
+    print(f"wrote {n} SYNTHETIC rows ({args.n} prompts x {n // args.n} models, workload "
+          f"{args.workload}, seed {args.seed}) to {args.out}")
+    return 0
+
+
+def add_synth_command(predict_sub: Any, command: Any, error: type[Exception]) -> None:
+    """Register ``synth`` in the ``predict`` group (``predict_sub``: its subparsers)."""
+    p = command("synth", lambda a: _cmd_synth(a, error), "write a synthetic judged data set",
+                "Write a SYNTHETIC judged data set (JSONL; every row has \"synthetic\": true): "
+                "prompts per task of a workload profile (default paper: the SFS paper's four "
+                "tasks and three Qwen3 models, with its prompt and output lengths), some in "
+                "Chinese, Japanese or Korean, judged by a known generator whose quality depends "
+                "on the prompt's content and length. For tests and demos, not for claims about "
+                "real models.", into=predict_sub)
+    p.add_argument("--out", required=True, metavar="FILE", help="JSONL file to write")
+    p.add_argument("--n", type=positive_int, default=2000, metavar="N",
+                   help="number of prompts (one row per prompt and model; default 2000)")
+    p.add_argument("--workload", default="paper", metavar="NAME|FILE",
+                   help="workload profile: a built-in name or a YAML file (default paper)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default 0)")
 
 
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 
 from duetime.predict.text_scan import scan_text
 from duetime.predict.tokens import FAST
+from duetime.workload.profile import load_workload
 
 LANGUAGE_MIX = {  # en, zh, ja, ko
     "alpaca": (0.82, 0.06, 0.06, 0.06), "hotpotqa": (0.85, 0.05, 0.05, 0.05),
@@ -407,8 +408,6 @@ def _logit(p: float) -> float:
 def synth_rows(n: int, seed: int = 0, workload: str = "paper") -> Iterator[dict[str, Any]]:
     """Rows for ``n`` prompts (one row per prompt and model of the workload profile), seeded.
     ``workload``: a built-in profile name or a YAML file (``duetime.workload``)."""
-    from duetime.workload import load_workload  # the workload layer describes the lengths
-
     prof = load_workload(workload)
     models, tasks = prof.model_names, prof.task_names
     shares = [prof.tasks[t].share for t in tasks]
@@ -473,8 +472,6 @@ def synth_rows(n: int, seed: int = 0, workload: str = "paper") -> Iterator[dict[
 def write_synth(path: str | Path, n: int, seed: int = 0, workload: str = "paper") -> int:
     """Write :func:`synth_rows` as JSONL; return the number of rows. The workload is loaded
     first and the file written via a temporary name, so a failure leaves no partial file."""
-    from duetime.workload import load_workload
-
     load_workload(workload)  # fail before touching the file
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
