@@ -270,6 +270,13 @@ class Snapshot:
                                 f"(ceil(computed_tokens / block_size) each) but "
                                 f"config.num_gpu_blocks = {cfg.num_gpu_blocks}")
 
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache the running requests hold (vLLM's
+        ``kv_cache_usage_perc``)."""
+        return held_blocks(self.running_table.computed, self.config.block_size) / (
+            self.config.num_gpu_blocks)
+
     def shifted(self, dt: float) -> Snapshot:
         """The same state on another clock: ``time`` and every arrival moved by ``dt``
         seconds (e.g. an instance's monotonic clock onto a router's)."""

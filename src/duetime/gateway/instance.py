@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from duetime.engine.kv import held_blocks
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
 from duetime.gateway.config import Instance, Pool
@@ -108,9 +107,7 @@ class InstanceState:
     def kv_usage(self) -> float:
         if self._metrics_fresh(time.monotonic()):
             return float(self.scraped.kv_usage)
-        snap = self.snapshot()
-        return held_blocks(snap.running_table.computed, snap.config.block_size) / (
-            snap.config.num_gpu_blocks)
+        return self.snapshot().kv_usage
 
     @property
     def stats(self) -> InstanceStats:
