@@ -18,7 +18,11 @@ the cores: the numbers include that contention and move by tens of percent from 
 compare columns within one run.
 
     python benchmarks/gateway_overhead.py [--requests N] [--speed X] [--policy NAME]
-                                          [--litellm PATH/TO/litellm]
+                                          [--litellm PATH/TO/litellm] [--also NAME=PYTHON]
+
+``--also before=../base/.venv/bin/python`` adds another duetime gateway, run by that
+interpreter (another checkout's virtual environment), as one more path of the same run: the
+way to compare two versions of duetime side by side.
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ def _wait_line(proc: subprocess.Popen[str], marker: str, what: str, limit_s: flo
     raise SystemExit(f"gateway_overhead: could not start {what}")
 
 
-def _start_duetime(args: list[str]) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "duetime", *args, "--port", "0",
+def _start_duetime(args: list[str],
+                   python: str = sys.executable) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([python, "-m", "duetime", *args, "--port", "0",
                              "--log-level", "warning"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     line = _wait_line(proc, "listening on ", f"duetime {' '.join(args)}", 120)
@@ -216,7 +221,16 @@ def main() -> None:
                     help="LiteLLM's `litellm` command (default: $DUETIME_LITELLM or "
                     ".venv-litellm/bin/litellm if present; scripts/litellm_env.sh builds it)")
     ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM path")
+    ap.add_argument("--also", action="append", default=[], metavar="NAME=PYTHON",
+                    help="one more duetime gateway, run by PYTHON (another checkout's venv), "
+                    "as path NAME (repeatable)")
     args = ap.parse_args()
+    also = []
+    for item in args.also:
+        name, sep, python = item.partition("=")
+        if not sep or not name or not Path(python).is_file():
+            raise SystemExit(f"gateway_overhead: --also {item!r}: want NAME=PATH/TO/python")
+        also.append((name, python))
     litellm = None if args.no_litellm else args.litellm
     if litellm is None and not args.no_litellm:
         print("gateway_overhead: no LiteLLM (run scripts/litellm_env.sh, or pass --litellm); "
@@ -233,6 +247,10 @@ def main() -> None:
             gw, gateway = _start_duetime(["serve", "--config", str(cfg)])
             procs.append(gw)
             paths = [Path_("direct", direct, None), Path_("duetime", gateway, gw.pid)]
+            for name, python in also:
+                other, url = _start_duetime(["serve", "--config", str(cfg)], python)
+                procs.append(other)
+                paths.append(Path_(name, url, other.pid))
             if litellm is not None:
                 lp, lurl = _start_litellm(litellm, direct, Path(tmp))
                 procs.append(lp)

@@ -64,7 +64,7 @@ class StepEvents:
 
 @dataclass(frozen=True, slots=True)
 class RequestColumns:
-    """Requests' state column by column (copies: reading them changes nothing).
+    """Requests' state column by column (read-only: copies, or views that cannot be written).
 
     ``first_token`` and ``finish_time`` are NaN until stamped; an aborted request's finish
     time is the clock when it was aborted."""
@@ -109,7 +109,7 @@ class Engine:
             kn.seed(seed)
         n = max(capacity, 4)
         self._req = np.zeros((n, kn.REQ_COLUMNS), dtype=np.int64)
-        self._held = np.zeros(n, dtype=np.int64)
+        self._held = self._req[:, kn.HELD]  # the KV ledger's array: a view of req's column
         self._stamps = np.full((n, 2), np.nan)
         self._run = np.zeros(n, dtype=np.int64)
         self._wq = np.zeros(n, dtype=np.int64)
@@ -202,10 +202,22 @@ class Engine:
         return self._columns(rows)
 
     def history(self, last: int | None = None) -> RequestColumns:
-        """The remembered requests in the order they were added (the ``last`` ones)."""
+        """The remembered requests in the order they were added (the ``last`` ones). The
+        columns are read-only views, valid until the engine next changes (copy to keep)."""
         n = len(self._ids)
         lo = 0 if last is None else max(0, n - last)
-        return self._columns(np.arange(lo, n, dtype=np.int64))
+        req = self._req[lo:n]
+
+        def view(a: np.ndarray) -> np.ndarray:
+            v = a.view()
+            v.flags.writeable = False
+            return v
+
+        return RequestColumns(self._ids[lo:n], view(req[:, kn.PROMPT]),
+                              view(req[:, kn.OUTPUT]), view(req[:, kn.COMP]),
+                              view(req[:, kn.STOP]), view(self._pred[lo:n]),
+                              view(self._arrival[lo:n]), view(self._stamps[lo:n, 0]),
+                              view(self._stamps[lo:n, 1]), req[:, kn.DONE] == 1)
 
     def running_ids(self) -> list[str]:
         return [self._ids[r] for r in self._run[:self._st[kn.NRUN]].tolist()]
@@ -259,8 +271,7 @@ class Engine:
             r = len(self._ids)
         self._ids.append(request_id)
         self._rows[request_id] = r
-        self._req[r] = (prompt_tokens, output_tokens, stop, 0, 0)
-        self._held[r] = 0
+        self._req[r] = (prompt_tokens, output_tokens, stop, 0, 0, 0)
         self._stamps[r] = np.nan
         self._pred[r] = stop if predicted_output_tokens is None else predicted_output_tokens
         self._arrival[r] = self._clock[0] if arrival is None else arrival
@@ -278,7 +289,7 @@ class Engine:
             return np.concatenate((a, np.full((old, *a.shape[1:]), fill, dtype=a.dtype)))
 
         self._req = more(self._req, 0)
-        self._held = more(self._held, 0)
+        self._held = self._req[:, kn.HELD]
         self._stamps = more(self._stamps, np.nan)
         self._run = more(self._run, 0)
         self._pred = more(self._pred, 0)
@@ -304,7 +315,7 @@ class Engine:
             return out
 
         self._req = keep(self._req, 0)
-        self._held = keep(self._held, 0)
+        self._held = self._req[:, kn.HELD]
         self._stamps = keep(self._stamps, np.nan)
         self._pred = keep(self._pred, 0)
         self._arrival = keep(self._arrival, 0.0)

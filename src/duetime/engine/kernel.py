@@ -13,8 +13,10 @@ run as plain Python: correct, slow.
 
 Layout (all int64 unless noted; request ``r`` is an index):
 
-* ``req``: shape (N, 5): prompt, output, stop, computed, done flag;
-* ``held``: KV blocks held per row (the block ledger's array, :mod:`duetime.engine.kv`);
+* ``req``: shape (N, 6): prompt, output, stop, computed, KV blocks held, done flag;
+* ``held``: the KV blocks column of ``req`` as an array of its own (a strided view: the block
+  ledger's array, :mod:`duetime.engine.kv`, kept in the request's row, whose cache line a
+  step reads anyway);
 * ``stamps`` (float64, (N, 2)): first-token and finish time (NaN until stamped);
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
@@ -30,12 +32,12 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.engine._jit import njit
-from duetime.engine.kv import block_shift, kv_blocks, kv_need, kv_release, kv_take
+from duetime.engine.kv import kv_blocks, kv_need, kv_release, kv_take
 from duetime.engine.remaining import stop_length
 
 # req columns
-PROMPT, OUTPUT, STOP, COMP, DONE = range(5)
-REQ_COLUMNS = 5
+PROMPT, OUTPUT, STOP, COMP, HELD, DONE = range(6)
+REQ_COLUMNS = 6
 # st fields
 K, FREE, NRUN, WH, WC = range(5)
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
@@ -58,9 +60,6 @@ SEATS = 2       # running < max_num_seqs after admission
 PREEMPTED = 4
 
 
-__all__ = ["block_shift"]
-
-
 @njit(cache=True, nogil=True)
 def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift, num_blocks,
             sigma, time):  # pragma: no cover - jit
@@ -75,7 +74,7 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
     n_wait = w_prompt.shape[0]
     n = n_run + n_wait + 1
     req = np.zeros((n, REQ_COLUMNS), dtype=np.int64)
-    held = np.zeros(n, dtype=np.int64)
+    held = req[:, HELD]
     run = np.zeros(n, dtype=np.int64)
     wq = np.zeros(n, dtype=np.int64)
     used = 0

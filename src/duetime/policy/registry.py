@@ -65,6 +65,7 @@ class Param:
         """The value checked (strings, from a command line, are read as numbers)."""
         if value is None and self.default is None:
             return None
+        given = value
         if isinstance(value, str):
             try:
                 value = int(value) if self.kind is int else float(value)
@@ -76,7 +77,7 @@ class Param:
                 self.kind is float and not math.isfinite(value)):
             raise PolicyError(f"{where}: must be {self._what()}, got {value!r}")
         if self.min is not None and (value < self.min or (self.min_open and value == self.min)):
-            raise PolicyError(f"{where}: must be {self._what()}, got {value!r}")
+            raise PolicyError(f"{where}: must be {self._what()}, got {given!r}")
         return self.kind(value)
 
     def _what(self) -> str:

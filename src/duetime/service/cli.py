@@ -45,7 +45,7 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         try:
             pool = pool.with_policy(name, params)
         except ConfigError as e:
-            raise error(str(e).replace(f"{pool.source}: policy", "--policy-param")) from None
+            raise error(str(e).replace(f"{pool.source}: policy.", "--policy-param ")) from None
     try:
         service = Service(pool, host=args.host, port=args.port,
                           drain_timeout_s=args.drain_timeout)

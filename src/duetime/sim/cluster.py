@@ -138,13 +138,16 @@ class ClusterSim:
                 raise ValueError(f"length_model returned shape {pred_out.shape}, expected "
                                  f"{requests.output.shape}")
         pred_out = np.maximum(1, np.rint(pred_out)).astype(np.int64)
-        source = self.quality_source(requests)
-        queries = [Query(task=requests.tasks[k], id=str(i))
-                   for i, k in enumerate(requests.task.tolist())]
         needs = self.policy.consumes
-        pred_q = source.quality_table(queries, models) if QUALITY in needs else None
-        pred_s = source.quality_table(queries, models, success=True) if SUCCESS in needs \
-            else None
+        pred_q = pred_s = None
+        if needs & {QUALITY, SUCCESS}:
+            source = self.quality_source(requests)
+            queries = [Query(task=requests.tasks[k], id=str(i))
+                       for i, k in enumerate(requests.task.tolist())]
+            if QUALITY in needs:
+                pred_q = source.quality_table(queries, models)
+            if SUCCESS in needs:
+                pred_s = source.quality_table(queries, models, success=True)
         cands = [Candidate(i.name, models[mi], i.spec.price_prompt, i.spec.price_output, i)
                  for i, mi in zip(insts, inst_model, strict=True)]
         cand_model = np.array(inst_model)
