@@ -4,7 +4,8 @@ anything.
 
 What is predicted and kept fresh follows the policy's declaration
 (:mod:`duetime.policy.registry`): the shadow replicas of the candidates are brought to the
-decision's time only for a policy that consumes snapshots; quality, success probability and
+decision's time only for a policy that consumes snapshots or load gauges (which fall back to
+the snapshot when no fresh scrape exists); quality, success probability and
 output length are asked of the quality source (the pool's per-task table, or its trained
 predictor with the table as fallback) only when consumed, and left ``None`` otherwise.
 """
@@ -165,8 +166,8 @@ class Router:
         path = "/v1/chat/completions" if chat else "/v1/completions"
         quality, success, lengths = self.predict(req, ctl)
         cap = predicted if req.max_tokens else 1 << 30
-        fresh = SNAPSHOT in self.consumes
         load = METRICS in self.consumes
+        fresh = SNAPSHOT in self.consumes or load  # (load gauges fall back to the snapshot)
         tried: set[str] = set()
         errors: list[str] = []
         attempt = 0
