@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from duetime.engine import KVLedger, Request, blocks_for, held_blocks
-from duetime.engine.kv import block_shift, kv_blocks, kv_need, kv_release, kv_take
+from duetime.engine.kv import HELD, block_shift, kv_blocks, kv_need, kv_release, kv_take
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 17, 64])
@@ -29,7 +29,7 @@ def test_reference_and_compiled_forms_agree(seed):
     bs, n_blocks = rng.choice([4, 10, 16]), 200
     ref = KVLedger(n_blocks, bs)
     reqs = [Request(f"r{i}", 10, 10) for i in range(8)]
-    held = np.zeros(8, dtype=np.int64)
+    req = np.zeros((8, 6), dtype=np.int64)  # the kernel's request table
     free = n_blocks
     shift = block_shift(bs)
     tokens = [0] * 8
@@ -37,15 +37,16 @@ def test_reference_and_compiled_forms_agree(seed):
         i = rng.randrange(8)
         if rng.random() < 0.2:  # finish, abort or preempt: every block back
             ref.free(reqs[i])
-            free += kv_release(held, i)
+            free += kv_release(req, i)
             tokens[i] = 0
         else:
             target = tokens[i] + rng.randint(1, 40)
             need = ref.need(reqs[i], target)
-            assert need == kv_need(held, i, target, bs, shift)
+            assert need == kv_need(req, i, target, bs, shift)
             if ref.fits(need):
                 ref.take(reqs[i], need)
-                free -= kv_take(held, i, need)
+                free -= kv_take(req, i, need)
                 tokens[i] = target
-        assert ref.free_blocks == free and [r.blocks for r in reqs] == held.tolist()
-        assert ref.used_blocks == held.sum() and 0 <= ref.usage <= 1
+        assert ref.free_blocks == free and [r.blocks for r in reqs] == req[:, HELD].tolist()
+        assert ref.used_blocks == req[:, HELD].sum() and 0 <= ref.usage <= 1
+        assert (np.delete(req, HELD, axis=1) == 0).all()  # the ledger touches its column only

@@ -29,7 +29,7 @@ from duetime.engine import kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import config_array
-from duetime.engine.kv import blocks_for, kv_release, kv_take
+from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 
@@ -109,7 +109,6 @@ class Engine:
             kn.seed(seed)
         n = max(capacity, 4)
         self._req = np.zeros((n, kn.REQ_COLUMNS), dtype=np.int64)
-        self._held = self._req[:, kn.HELD]  # the KV ledger's array: a view of req's column
         self._stamps = np.full((n, 2), np.nan)
         self._run = np.zeros(n, dtype=np.int64)
         self._wq = np.zeros(n, dtype=np.int64)
@@ -118,8 +117,8 @@ class Engine:
         self._clock = np.array([float(time)])
         self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
-        self._work = np.zeros((3, n), dtype=np.int64)
-        self._out = np.zeros(9, dtype=np.int64)
+        self._work = np.zeros((2, n), dtype=np.int64)
+        self._out = np.zeros(8, dtype=np.int64)
         self._pred = np.zeros(n, dtype=np.int64)  # predicted output length (the router's view)
         self._arrival = np.zeros(n)
         self._ids: list[str] = []
@@ -184,7 +183,7 @@ class Engine:
         first, fin = self._stamps[r].tolist()
         return {"id": request_id, "prompt_tokens": row[kn.PROMPT], "output_tokens": row[kn.OUTPUT],
                 "stop": row[kn.STOP], "computed_tokens": row[kn.COMP],
-                "blocks": int(self._held[r]), "finished": bool(row[kn.DONE]),
+                "blocks": row[HELD], "finished": bool(row[kn.DONE]),
                 "first_token": None if first != first else first,
                 "finish_time": None if fin != fin else fin}
 
@@ -289,7 +288,6 @@ class Engine:
             return np.concatenate((a, np.full((old, *a.shape[1:]), fill, dtype=a.dtype)))
 
         self._req = more(self._req, 0)
-        self._held = self._req[:, kn.HELD]
         self._stamps = more(self._stamps, np.nan)
         self._run = more(self._run, 0)
         self._pred = more(self._pred, 0)
@@ -297,7 +295,7 @@ class Engine:
         self._wq = np.zeros(2 * old, dtype=np.int64)
         self._wq[:len(waiting)] = waiting
         self._st[kn.WH] = 0
-        self._work = np.zeros((3, 2 * old), dtype=np.int64)
+        self._work = np.zeros((2, 2 * old), dtype=np.int64)
 
     def compact(self) -> None:
         """Forget finished requests (their rows are otherwise kept forever). Scheduler state,
@@ -315,7 +313,6 @@ class Engine:
             return out
 
         self._req = keep(self._req, 0)
-        self._held = self._req[:, kn.HELD]
         self._stamps = keep(self._stamps, np.nan)
         self._pred = keep(self._pred, 0)
         self._arrival = keep(self._arrival, 0.0)
@@ -326,25 +323,32 @@ class Engine:
         self._wq = np.zeros(size, dtype=np.int64)
         self._wq[:len(wait_rows)] = np.searchsorted(live, wait_rows)
         self._st[kn.WH] = 0
-        self._work = np.zeros((3, size), dtype=np.int64)
+        self._work = np.zeros((2, size), dtype=np.int64)
         self._revision += 1
 
     def step(self, *, tokens: bool = False) -> StepEvents | None:
         """Run one scheduler step; ``None`` when there is nothing to do. ``tokens``: also
-        record which requests produced a token (:attr:`StepEvents.tokens`)."""
+        list which requests produced a token (:attr:`StepEvents.tokens`; found by comparing
+        outputs before and after, so that the kernel pays nothing when nobody asks)."""
         if self.idle:
             return None
         start = float(self._clock[0])
-        got = kn.step(self._req, self._held, self._stamps, self._run, self._wq, self._st,
-                      self._clock, self._cfg, self._w, self._work, self._out, self.noise)
+        if tokens:
+            rows = np.concatenate((self._run[:self._st[kn.NRUN]], self._waiting_rows()))
+            before = self._req[rows, kn.OUTPUT]
+        got = kn.step(self._req, self._stamps, self._run, self._wq, self._st, self._clock,
+                      self._cfg, self._w, self._work, self._out, self.noise)
         self._revision += 1
         out = self._out
         self._raise_if_stuck(got, int(out[4]))
         ids = self._ids
+        made = None
+        if tokens:  # in schedule order: running in order, then the admitted, FCFS
+            made = rows[self._req[rows, kn.OUTPUT] > before]
         return StepEvents(int(self._st[kn.K]) - 1, start, float(self._clock[0]), got,
                           [ids[r] for r in self._work[1, :out[5]].tolist()],
                           [ids[r] for r in self._work[0, :out[6]].tolist()], int(out[7]),
-                          self._work[2, :out[8]].copy() if tokens else None, ids)
+                          made, ids)
 
     def _raise_if_stuck(self, code: int, row: int) -> None:
         if code == kn.TOO_BIG:
@@ -359,9 +363,9 @@ class Engine:
         engine's clock jumps to ``t``. With ``stop_on_finish`` it returns early, after the first
         step in which requests finished, and returns their ids (else ``[]``)."""
         k0, t0 = self._st[kn.K], self._clock[0]
-        code, detail = kn.run_until(self._req, self._held, self._stamps, self._run, self._wq,
-                                    self._st, self._clock, self._cfg, self._w, self._work,
-                                    self._out, t, stop_on_finish, self.noise)
+        code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
+                                    self._clock, self._cfg, self._w, self._work, self._out,
+                                    t, stop_on_finish, self.noise)
         if self._st[kn.K] != k0 or self._clock[0] != t0:
             self._revision += 1
         self._raise_if_stuck(code, detail)
@@ -386,7 +390,7 @@ class Engine:
         i = int(hit[0])
         run[i:nrun - 1] = run[i + 1:nrun].copy()
         self._st[kn.NRUN] = nrun - 1
-        self._st[kn.FREE] += kv_release(self._held, r)
+        self._st[kn.FREE] += kv_release(self._req, r)
         return True
 
     def _remove_waiting(self, r: int) -> bool:
@@ -432,7 +436,7 @@ class Engine:
         computed = prompt + output_tokens - 1
         if req[r, kn.OUTPUT] == output_tokens and req[r, kn.COMP] == computed:
             return False
-        need = blocks_for(computed, self.config.block_size) - int(self._held[r])
+        need = blocks_for(computed, self.config.block_size) - int(req[r, HELD])
         nrun = int(self._st[kn.NRUN])
         running = bool(np.any(self._run[:nrun] == r))
         if need > self._st[kn.FREE]:
@@ -442,7 +446,7 @@ class Engine:
                 return False
             self._run[nrun] = r
             self._st[kn.NRUN] = nrun + 1
-        self._st[kn.FREE] -= kv_take(self._held, r, need)
+        self._st[kn.FREE] -= kv_take(req, r, need)
         req[r, kn.COMP] = computed
         req[r, kn.OUTPUT] = output_tokens
         if req[r, kn.STOP] <= output_tokens:
@@ -475,11 +479,11 @@ class Engine:
             return 0
         rows, outs, comp = rows[keep], outs[keep], comp[keep]
         need = blocks_for(comp, self.config.block_size)
-        delta = int((need - self._held[rows]).sum())
+        delta = int((need - req[rows, HELD]).sum())
         if delta > self._st[kn.FREE]:
             return 0
         self._st[kn.FREE] -= delta
-        self._held[rows] = need
+        req[rows, HELD] = need
         req[rows, kn.COMP] = comp
         req[rows, kn.OUTPUT] = outs
         req[rows, kn.STOP] = np.maximum(req[rows, kn.STOP], outs + 1)
@@ -516,14 +520,14 @@ class Engine:
         (tests)."""
         nrun = int(self._st[kn.NRUN])
         rows = self._run[:nrun]
-        held = int(self._held[rows].sum())
+        held = int(self._req[rows, HELD].sum())
         assert held + int(self._st[kn.FREE]) == self.config.num_gpu_blocks, "blocks leak"
         assert nrun <= self.config.max_num_seqs
         assert len(set(rows.tolist())) == nrun
         waiting = self._waiting_rows()
         assert not set(waiting.tolist()) & set(rows.tolist())
-        assert (self._held[waiting] == 0).all()
+        assert (self._req[waiting, HELD] == 0).all()
         bs = self.config.block_size
         for r in rows.tolist():
-            assert self._held[r] == blocks_for(int(self._req[r, kn.COMP]), bs)
+            assert self._req[r, HELD] == blocks_for(int(self._req[r, kn.COMP]), bs)
             assert not self._req[r, kn.DONE]

@@ -91,7 +91,7 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     cfg = snapshot.config
     cfg_arr = config_array(cfg)
     run, wait = snapshot.running_table, snapshot.waiting_table
-    req, held, stamps, running, wq, st, clock = kn.prepare(
+    req, stamps, running, wq, st, clock = kn.prepare(
         run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
         wait.predicted, cfg.block_size, cfg_arr[kn.SHIFT], cfg.num_gpu_blocks, sigma, 0.0)
     if st[kn.FREE] < 0:
@@ -101,7 +101,7 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
         st[kn.WC] += 1
-    return (req, held, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model))
+    return (req, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model))
 
 
 def _request_id(snapshot: Snapshot, r: int, probe_id: str) -> str:
@@ -196,7 +196,7 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
     if code != kn.REACHED:
         raise _kernel_error(code, detail, snapshot, pid, max_steps, what)
-    stamps, st = state[2], state[5]
+    stamps, st = state[1], state[4]
     return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0, int(st[kn.K]))
 
 

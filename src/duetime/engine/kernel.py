@@ -13,10 +13,8 @@ run as plain Python: correct, slow.
 
 Layout (all int64 unless noted; request ``r`` is an index):
 
-* ``req``: shape (N, 6): prompt, output, stop, computed, KV blocks held, done flag;
-* ``held``: the KV blocks column of ``req`` as an array of its own (a strided view: the block
-  ledger's array, :mod:`duetime.engine.kv`, kept in the request's row, whose cache line a
-  step reads anyway);
+* ``req``: shape (N, 6): prompt, output, stop, computed, KV blocks held (the block ledger's
+  column, :mod:`duetime.engine.kv`: only its ``kv_*`` functions touch it), done flag;
 * ``stamps`` (float64, (N, 2)): first-token and finish time (NaN until stamped);
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
@@ -32,12 +30,13 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.engine._jit import njit
-from duetime.engine.kv import kv_blocks, kv_need, kv_release, kv_take
+from duetime.engine.kv import HELD, kv_blocks, kv_need, kv_release, kv_take
 from duetime.engine.remaining import stop_length
 
-# req columns
-PROMPT, OUTPUT, STOP, COMP, HELD, DONE = range(6)
+# req columns (HELD, 4, is the KV ledger's)
+PROMPT, OUTPUT, STOP, COMP, DONE = 0, 1, 2, 3, 5
 REQ_COLUMNS = 6
+assert HELD == 4
 # st fields
 K, FREE, NRUN, WH, WC = range(5)
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
@@ -67,14 +66,13 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
     probe). Stop lengths come from the predictions (:func:`stop_length`); each running request
     holds the blocks of its computed tokens.
 
-    Returns (req, held, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests
-    hold more blocks than the instance has.
+    Returns (req, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests hold
+    more blocks than the instance has.
     """
     n_run = r_prompt.shape[0]
     n_wait = w_prompt.shape[0]
     n = n_run + n_wait + 1
     req = np.zeros((n, REQ_COLUMNS), dtype=np.int64)
-    held = req[:, HELD]
     run = np.zeros(n, dtype=np.int64)
     wq = np.zeros(n, dtype=np.int64)
     used = 0
@@ -83,7 +81,7 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
         req[i, OUTPUT] = r_out[i]
         req[i, STOP] = stop_length(r_pred[i], r_out[i], sigma)
         req[i, COMP] = r_comp[i]
-        used += kv_take(held, i, kv_blocks(r_comp[i], bs, shift))
+        used += kv_take(req, i, kv_blocks(r_comp[i], bs, shift))
         run[i] = i
     for i in range(n_wait):
         req[n_run + i, PROMPT] = w_prompt[i]
@@ -97,17 +95,15 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
     st[NRUN] = n_run
     st[WC] = n_wait
     clock = np.full(1, time)
-    return req, held, stamps, run, wq, st, clock
+    return req, stamps, run, wq, st, clock
 
 
 @njit(cache=True, nogil=True)
-def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
-         noise=0.0):  # pragma: no cover - jit
-    """One scheduler step. ``work``: int64 scratch (3, N); ``out`` (int64[9]) gets
+def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # pragma: no cover
+    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[8]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
-    victim (on TOO_BIG), first tokens, finished, preempted, tokens]; the rows that got their
-    first token are ``work[1, :out[5]]``, those that finished ``work[0, :out[6]]`` and those
-    that produced an output token ``work[2, :out[8]]``.
+    victim (on TOO_BIG), first tokens, finished, preempted]; the rows that got their first
+    token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
     Returns the number of scheduled requests, or STUCK / TOO_BIG. ``noise`` > 0 multiplies the
     step's duration by a mean-one log-normal factor with that log-space spread (a simulated
     instance's "true" timing; numba's global RNG, see :func:`seed`).
@@ -131,10 +127,8 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
     wc = st[WC]
     done = work[0]
     first = work[1]
-    made = work[2]
     nd = 0
     nf = 0
-    nm = 0
     n_dec = 0
     n_pre = 0
     pre_sq = 0
@@ -166,13 +160,13 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
             n = cap
         if n > budget:
             n = budget
-        need = kv_need(held, r, c + n, bs, shift)
+        need = kv_need(req, r, c + n, bs, shift)
         if phase == 0:
             ok = True
             while free < need:  # preempt the newest running request (maybe r itself)
                 nrun -= 1
                 v = run[nrun]
-                free += kv_release(held, v)
+                free += kv_release(req, v)
                 req[v, COMP] = 0
                 wh = (wh - 1) % n_q
                 wq[wh] = v
@@ -195,7 +189,7 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
             wc -= 1
             run[nrun] = r
             nrun += 1
-        free -= kv_take(held, r, need)
+        free -= kv_take(req, r, need)
         budget -= n
         ns += 1
         # batch features, then apply
@@ -212,8 +206,6 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
         if c + n == length:
             o = req[r, OUTPUT] + 1
             req[r, OUTPUT] = o
-            made[nm] = r
-            nm += 1
             if o == 1:
                 first[nf] = r
                 nf += 1
@@ -233,7 +225,6 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
     out[5] = nf
     out[6] = nd
     out[7] = preempted
-    out[8] = nm
     st[NRUN] = nrun
     st[WH] = wh
     st[WC] = wc
@@ -255,7 +246,7 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
         for j in range(nd):
             r = done[j]
             stamps[r, 1] = t_end
-            free += kv_release(held, r)
+            free += kv_release(req, r)
             req[r, DONE] = 1
         m = 0
         for j in range(nrun):
@@ -271,26 +262,26 @@ def step(req, held, stamps, run, wq, st, clock, cfg, w, work, out,
 
 
 @njit(cache=True, nogil=True)
-def run_probe(req, held, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
+def run_probe(req, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
               max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
-    work = np.empty((3, run.shape[0]), dtype=np.int64)
-    out = np.zeros(9, dtype=np.int64)
+    work = np.empty((2, run.shape[0]), dtype=np.int64)
+    out = np.zeros(8, dtype=np.int64)
     col = 1 if until_finish else 0
     while np.isnan(stamps[probe, col]):
         if st[K] >= max_steps:
             return STEP_CAP, 0
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, held, stamps, run, wq, st, clock, cfg, w, work, out)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
         if got < 0:
             return got, out[4]
     return REACHED, 0
 
 
 @njit(cache=True, nogil=True)
-def run_base(req, held, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, room,
-             target, max_steps):  # pragma: no cover - jit
+def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, room, target,
+             max_steps):  # pragma: no cover - jit
     """Step and record until the probe room since the queue first drained reaches ``target``.
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
@@ -300,8 +291,8 @@ def run_base(req, held, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_r
     ``room`` = [y summed from the first drained step on, 1 once drained, first drained step].
     Returns (code, recorded count, detail).
     """
-    work = np.empty((3, run.shape[0]), dtype=np.int64)
-    out = np.zeros(9, dtype=np.int64)
+    work = np.empty((2, run.shape[0]), dtype=np.int64)
+    out = np.zeros(8, dtype=np.int64)
     cap = cfg[CAP]
     while True:
         if room[1] == 1 and room[0] >= target:
@@ -312,7 +303,7 @@ def run_base(req, held, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_r
             return FULL, n_rec, 0
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
-        got = step(req, held, stamps, run, wq, st, clock, cfg, w, work, out)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]
@@ -333,15 +324,15 @@ def run_base(req, held, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_r
 
 
 @njit(cache=True, nogil=True)
-def run_until(req, held, stamps, run, wq, st, clock, cfg, w, work, out, t_limit,
-              stop_on_finish, noise):  # pragma: no cover - jit
+def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, t_limit, stop_on_finish,
+              noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after
     it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
     finished rows are ``work[0, :out[6]]``), or STUCK / TOO_BIG (detail: the row)."""
     while clock[0] < t_limit:
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, held, stamps, run, wq, st, clock, cfg, w, work, out, noise)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise)
         if got < 0:
             return got, out[4]
         if stop_on_finish and out[6] > 0:

@@ -6,8 +6,8 @@ Two forms of the same rules, kept side by side so that they cannot drift apart:
 * :class:`KVLedger`, for the reference loop (:mod:`duetime.engine.scheduler`): per-request
   ``blocks`` on the :class:`~duetime.engine.request.Request` objects and a free-block count;
 * the compiled functions below (``kv_*``), for the kernel (:mod:`duetime.engine.kernel`) and the
-  compiled engine: blocks held per request row in an int64 array ``held`` and the free count
-  in the kernel's state. The kernel calls nothing else to count or move blocks.
+  compiled engine: blocks held per request in column ``HELD`` of the kernel's request table,
+  the free count in the kernel's state. The kernel calls nothing else to count or move blocks.
 
 Rules (no prefix caching yet): a request with ``c`` computed tokens holds ``ceil(c /
 block_size)`` blocks; scheduling ``n`` more tokens needs ``ceil((c + n) / block_size) - held``
@@ -93,7 +93,11 @@ class KVLedger:
 
 
 # -- the compiled form --------------------------------------------------------------------------
-# ``held``: int64 array, blocks held per request row; the free count lives in the caller's state.
+# The kernel keeps each request's blocks in column ``HELD`` of its request table ``req`` (the
+# row a step reads anyway); the free count lives in the kernel's state.
+
+HELD = 4
+
 
 @njit(cache=True, nogil=True, inline="always")
 def kv_blocks(tokens, bs, shift):  # pragma: no cover - jit
@@ -104,21 +108,21 @@ def kv_blocks(tokens, bs, shift):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True, inline="always")
-def kv_need(held, r, tokens, bs, shift):  # pragma: no cover - jit
+def kv_need(req, r, tokens, bs, shift):  # pragma: no cover - jit
     """New blocks row ``r`` needs to hold ``tokens`` computed tokens."""
-    return kv_blocks(tokens, bs, shift) - held[r]
+    return kv_blocks(tokens, bs, shift) - req[r, HELD]
 
 
 @njit(cache=True, nogil=True, inline="always")
-def kv_take(held, r, blocks):  # pragma: no cover - jit
+def kv_take(req, r, blocks):  # pragma: no cover - jit
     """Row ``r`` takes ``blocks`` more blocks; returns them (subtract from the free count)."""
-    held[r] += blocks
+    req[r, HELD] += blocks
     return blocks
 
 
 @njit(cache=True, nogil=True, inline="always")
-def kv_release(held, r):  # pragma: no cover - jit
+def kv_release(req, r):  # pragma: no cover - jit
     """Row ``r`` gives back all its blocks; returns how many (add to the free count)."""
-    b = held[r]
-    held[r] = 0
+    b = req[r, HELD]
+    req[r, HELD] = 0
     return b
