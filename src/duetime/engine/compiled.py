@@ -62,26 +62,41 @@ class StepEvents:
         return [ids[r] for r in self._made.tolist()]
 
 
-@dataclass(frozen=True, slots=True)
 class RequestColumns:
-    """Requests' state column by column (read-only: copies, or views that cannot be written).
+    """Requests' state column by column, read-only (copies, or views that cannot be written):
+    ``prompt``, ``output``, ``computed``, ``stop``, ``predicted``, ``arrival``, ``first_token``
+    and ``finish_time`` (NaN until stamped; an aborted request's finish time is the clock when
+    it was aborted), ``finished``; ``ids`` in the same order."""
 
-    ``first_token`` and ``finish_time`` are NaN until stamped; an aborted request's finish
-    time is the clock when it was aborted."""
+    __slots__ = ("_done", "_ids", "arrival", "computed", "finish_time", "first_token", "output",
+                 "predicted", "prompt", "stop")
 
-    ids: list[str]
-    prompt: np.ndarray
-    output: np.ndarray
-    computed: np.ndarray
-    stop: np.ndarray
-    predicted: np.ndarray
-    arrival: np.ndarray
-    first_token: np.ndarray
-    finish_time: np.ndarray
-    finished: np.ndarray
+    def __init__(self, ids, prompt: np.ndarray, output: np.ndarray, computed: np.ndarray,
+                 stop: np.ndarray, predicted: np.ndarray, arrival: np.ndarray,
+                 first_token: np.ndarray, finish_time: np.ndarray, done: np.ndarray) -> None:
+        self._ids = ids  # a list, or a callable that makes it (built when first read)
+        self.prompt = prompt
+        self.output = output
+        self.computed = computed
+        self.stop = stop
+        self.predicted = predicted
+        self.arrival = arrival
+        self.first_token = first_token
+        self.finish_time = finish_time
+        self._done = done
+
+    @property
+    def ids(self) -> list[str]:
+        if callable(self._ids):
+            self._ids = self._ids()
+        return self._ids
+
+    @property
+    def finished(self) -> np.ndarray:
+        return self._done == 1
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.prompt)
 
 
 class Engine:
@@ -124,7 +139,7 @@ class Engine:
         self._ids: list[str] = []
         self._rows: dict[str, int] = {}
         self._revision = 0
-        self._snap: tuple[int, Snapshot] | None = None
+        self._snap: tuple[tuple[int, int, float], Snapshot] | None = None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -158,9 +173,10 @@ class Engine:
         return self._st[kn.NRUN] == 0 and self._st[kn.WC] == 0
 
     @property
-    def revision(self) -> int:
-        """Changes whenever the engine's state or clock does (a cache key)."""
-        return self._revision
+    def revision(self) -> tuple[int, int, float]:
+        """Changes whenever the engine's state or clock does (a cache key): the count of
+        changes made outside the kernel, the steps and the clock."""
+        return (self._revision, int(self._st[kn.K]), float(self._clock[0]))
 
     @property
     def num_added(self) -> int:
@@ -192,7 +208,7 @@ class Engine:
         return RequestColumns([ids[r] for r in rows.tolist()], req[rows, kn.PROMPT],
                               req[rows, kn.OUTPUT], req[rows, kn.COMP], req[rows, kn.STOP],
                               self._pred[rows], self._arrival[rows], self._stamps[rows, 0],
-                              self._stamps[rows, 1], req[rows, kn.DONE] == 1)
+                              self._stamps[rows, 1], req[rows, kn.DONE])
 
     def lookup(self, request_ids: Sequence[str]) -> RequestColumns:
         """These requests' state, in the order given (KeyError for an unknown id)."""
@@ -205,18 +221,14 @@ class Engine:
         columns are read-only views, valid until the engine next changes (copy to keep)."""
         n = len(self._ids)
         lo = 0 if last is None else max(0, n - last)
-        req = self._req[lo:n]
-
-        def view(a: np.ndarray) -> np.ndarray:
-            v = a.view()
-            v.flags.writeable = False
-            return v
-
-        return RequestColumns(self._ids[lo:n], view(req[:, kn.PROMPT]),
-                              view(req[:, kn.OUTPUT]), view(req[:, kn.COMP]),
-                              view(req[:, kn.STOP]), view(self._pred[lo:n]),
-                              view(self._arrival[lo:n]), view(self._stamps[lo:n, 0]),
-                              view(self._stamps[lo:n, 1]), req[:, kn.DONE] == 1)
+        req, stamps = self._req[lo:n], self._stamps[lo:n]
+        pred, arrival = self._pred[lo:n], self._arrival[lo:n]
+        for a in (req, stamps, pred, arrival):  # fresh views: their columns are read-only too
+            a.flags.writeable = False
+        ids = self._ids
+        return RequestColumns(lambda: ids[lo:n], req[:, kn.PROMPT], req[:, kn.OUTPUT],
+                              req[:, kn.COMP], req[:, kn.STOP], pred, arrival, stamps[:, 0],
+                              stamps[:, 1], req[:, kn.DONE])
 
     def running_ids(self) -> list[str]:
         return [self._ids[r] for r in self._run[:self._st[kn.NRUN]].tolist()]
@@ -271,7 +283,6 @@ class Engine:
         self._ids.append(request_id)
         self._rows[request_id] = r
         self._req[r] = (prompt_tokens, output_tokens, stop, 0, 0, 0)
-        self._stamps[r] = np.nan
         self._pred[r] = stop if predicted_output_tokens is None else predicted_output_tokens
         self._arrival[r] = self._clock[0] if arrival is None else arrival
         n = self._wq.shape[0]
@@ -338,7 +349,6 @@ class Engine:
             before = self._req[rows, kn.OUTPUT]
         got = kn.step(self._req, self._stamps, self._run, self._wq, self._st, self._clock,
                       self._cfg, self._w, self._work, self._out, self.noise)
-        self._revision += 1
         out = self._out
         self._raise_if_stuck(got, int(out[4]))
         ids = self._ids
@@ -362,12 +372,9 @@ class Engine:
         """Step while the clock is before ``t`` (the last step may end after it); an idle
         engine's clock jumps to ``t``. With ``stop_on_finish`` it returns early, after the first
         step in which requests finished, and returns their ids (else ``[]``)."""
-        k0, t0 = self._st[kn.K], self._clock[0]
         code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
                                     self._clock, self._cfg, self._w, self._work, self._out,
                                     t, stop_on_finish, self.noise)
-        if self._st[kn.K] != k0 or self._clock[0] != t0:
-            self._revision += 1
         self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
             self.set_clock(t)
@@ -496,7 +503,8 @@ class Engine:
         """The router's view: running and waiting requests in scheduler order, with their
         *predicted* output lengths, at the engine's clock (or ``time``). Built once per state
         (a snapshot is immutable)."""
-        if time is None and self._snap is not None and self._snap[0] == self._revision:
+        key = self.revision
+        if time is None and self._snap is not None and self._snap[0] == key:
             return self._snap[1]
         nrun = int(self._st[kn.NRUN])
         rows_r = self._run[:nrun]
@@ -512,7 +520,7 @@ class Engine:
                         time=float(self._clock[0]) if time is None else time,
                         running=table(rows_r), waiting=table(rows_w))
         if time is None:
-            self._snap = (self._revision, snap)
+            self._snap = (key, snap)
         return snap
 
     def check_invariants(self) -> None:

@@ -28,7 +28,14 @@ from duetime.predict.predictor import (
     UnknownModelError,
     load_predictor,
 )
-from duetime.predict.quality_source import Oracle, QualitySource, Query, TaskTable, Trained
+from duetime.predict.quality_source import (
+    Oracle,
+    QualitySource,
+    Query,
+    QueryTable,
+    TaskTable,
+    Trained,
+)
 from duetime.predict.remaining import remaining_tokens
 from duetime.predict.tokens import FAST, FastEstimate, HFTokenizer, Tokenizer
 from duetime.predict.training import TrainingError, TrainOptions, train
@@ -45,6 +52,7 @@ __all__ = [
     "PredictorFormatError",
     "QualitySource",
     "Query",
+    "QueryTable",
     "RequestFeatures",
     "Row",
     "TaskTable",

@@ -47,6 +47,23 @@ class Query:
 RequestLike = Query | RequestFeatures
 
 
+@dataclass(slots=True)
+class QueryTable:
+    """Many requests column by column (what a simulator knows: tasks and ids, maybe texts),
+    for :meth:`QualitySource.quality_table` without one :class:`Query` object per request."""
+
+    task: Sequence[str | None]
+    id: Sequence[Hashable] | None = None
+    text: Sequence[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.task)
+
+    def query(self, i: int) -> Query:
+        return Query("" if self.text is None else self.text[i], self.task[i],
+                     None if self.id is None else self.id[i])
+
+
 class QualitySource(ABC):
     """Quality in [0, 1] (the utility's ``acc``) and success probability per model."""
 
@@ -66,15 +83,15 @@ class QualitySource(ABC):
         source does not predict lengths."""
         return None
 
-    def quality_table(self, requests: Sequence[RequestLike], models: Sequence[str], *,
+    def quality_table(self, requests: QueryTable, models: Sequence[str], *,
                       success: bool = False) -> np.ndarray:
         """float64[len(requests), len(models)]: :meth:`qualities` (or, with ``success``,
         :meth:`successes`) of many requests at once (sources override it when they can
         vectorise)."""
         get = self.successes if success else self.qualities
         out = np.empty((len(requests), len(models)))
-        for i, r in enumerate(requests):
-            out[i] = get(r, models)
+        for i in range(len(requests)):
+            out[i] = get(requests.query(i), models)
         return out
 
     def quality(self, request: RequestLike, model: str) -> float:
@@ -129,9 +146,9 @@ class TaskTable(QualitySource):
                 self._cache[key] = out
         return out.copy()
 
-    def quality_table(self, requests: Sequence[RequestLike], models: Sequence[str], *,
+    def quality_table(self, requests: QueryTable, models: Sequence[str], *,
                       success: bool = False) -> np.ndarray:
-        tasks = [_task_of(r) for r in requests]
+        tasks = requests.task
         distinct = list(dict.fromkeys(tasks))
         rows = np.array([self.qualities(Query(task=t), models) for t in distinct])
         index = {t: i for i, t in enumerate(distinct)}
@@ -203,10 +220,10 @@ class Oracle(QualitySource):
             return self._lookup(self._success, self._s, request, models, "success probability")
         return np.clip(self.qualities(request, models), 0.0, 1.0)
 
-    def quality_table(self, requests: Sequence[RequestLike], models: Sequence[str], *,
+    def quality_table(self, requests: QueryTable, models: Sequence[str], *,
                       success: bool = False) -> np.ndarray:
         if (self._q is None or tuple(models) != self._models or self._quality or self._success
-                or [getattr(r, "id", None) for r in requests] != self._ids):
+                or requests.id is None or list(requests.id) != self._ids):
             return super().quality_table(requests, models, success=success)
         if success and self._s is not None:
             return self._s.copy()

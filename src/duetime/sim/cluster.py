@@ -22,7 +22,7 @@ import numpy as np
 from duetime.estimate.base import Estimator
 from duetime.policy.base import Candidate, Policy, RoutingRequest
 from duetime.policy.registry import QUALITY, SUCCESS
-from duetime.predict.quality_source import Oracle, QualitySource, Query, TaskTable
+from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
 from duetime.workload.profile import WorkloadProfile
@@ -142,8 +142,9 @@ class ClusterSim:
         pred_q = pred_s = None
         if needs & {QUALITY, SUCCESS}:
             source = self.quality_source(requests)
-            queries = [Query(task=requests.tasks[k], id=str(i))
-                       for i, k in enumerate(requests.task.tolist())]
+            names = requests.tasks
+            queries = QueryTable([names[k] for k in requests.task.tolist()],
+                                 [str(i) for i in range(n)])
             if QUALITY in needs:
                 pred_q = source.quality_table(queries, models)
             if SUCCESS in needs:

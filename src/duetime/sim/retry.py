@@ -17,7 +17,7 @@ import numpy as np
 
 from duetime.engine.spec import InstanceSpec
 from duetime.policy.base import Candidate, Policy, RoutingRequest
-from duetime.predict.quality_source import QualitySource, Query
+from duetime.predict.quality_source import QualitySource, QueryTable
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
 
@@ -64,7 +64,7 @@ def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: 
     t_wall = wallclock.perf_counter()
     names = list(models)
     n = len(prompt_tokens)
-    success_pred = (success.quality_table([Query(task=task, id=str(q)) for q in range(n)],
+    success_pred = (success.quality_table(QueryTable([task] * n, [str(q) for q in range(n)]),
                                           names, success=True)
                     if isinstance(success, QualitySource) else np.asarray(success, dtype=float))
     insts = [SimInstance(m, models[m]) for m in names]
