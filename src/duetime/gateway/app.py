@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -88,8 +89,8 @@ class Gateway:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    async def serve(self, scope: Scope, raw: bytes, chat: bool, guard: Disconnect,
-                    t0: float) -> None:
+    async def serve(self, scope: Scope, raw: bytes, guard: Disconnect, t0: float, *,
+                    chat: bool) -> None:
         """Answer one completion request (``guard.send`` is the response channel)."""
         send = guard.send
         route = "chat" if chat else "completions"
@@ -122,13 +123,6 @@ class Gateway:
         finally:
             self.metrics.requests.labels(route, str(status)).inc()
 
-    async def _chat(self, scope: Scope, raw: bytes, guard: Disconnect, t0: float) -> None:
-        await self.serve(scope, raw, True, guard, t0)
-
-    async def _completions(self, scope: Scope, raw: bytes, guard: Disconnect,
-                           t0: float) -> None:
-        await self.serve(scope, raw, False, guard, t0)
-
     # -- the app ----------------------------------------------------------------------------------
 
     def app(self) -> FastRoutes:
@@ -145,7 +139,8 @@ class Gateway:
             finally:
                 await gw.close()
 
-        chat, completions = CompletionEndpoint(self._chat), CompletionEndpoint(self._completions)
+        chat = CompletionEndpoint(functools.partial(self.serve, chat=True))
+        completions = CompletionEndpoint(functools.partial(self.serve, chat=False))
         app = Starlette(routes=admin_routes(self), lifespan=lifespan)
         app.state.gateway = self
         fast = {"/v1/chat/completions": chat, "/v1/completions": completions}

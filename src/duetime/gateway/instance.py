@@ -120,8 +120,11 @@ class InstanceState:
     # -- time -----------------------------------------------------------------------------------
 
     def refresh(self, now: float) -> None:
-        """Bring the shadow replica to ``now`` (before a decision that reads snapshots)."""
-        self.shadow.refresh(now, self.inflight.flights)
+        """Bring the shadow replica to ``now`` before a decision that reads snapshots — unless
+        a fresh published snapshot will be read instead (the replica catches up at the next
+        refresh that needs it; it moves at every recorded event anyway)."""
+        if not self._published_fresh(now):
+            self.shadow.refresh(now, self.inflight.flights)
 
     # -- what the gateway does and sees ---------------------------------------------------------
 
