@@ -284,7 +284,7 @@ def test_routing_headers_concrete_model_and_unknown_model(client):
         assert "x-duetime-instance" not in r.headers
 
 
-LONG_PROMPT = 1000  # tokens: tiny-large needs ~20x tiny-small's prefill time on a CPU
+LONG_PROMPT = 1000  # tokens: tiny-large takes tens of times tiny-small's prefill time on a CPU
 
 
 def forecasts(client: httpx.Client, n: int) -> dict[str, float]:
@@ -328,7 +328,7 @@ def test_routing_sfs_prefers_quality_when_the_target_allows(client, servers):
 def test_routing_sfs_tight_target_picks_the_model_that_can_meet_it(client, servers):
     """A ~1000-token prompt with a target tiny-large cannot meet but tiny-small can: sfs gives
     up quality for the target. The target is derived from this machine: the geometric middle of
-    the two instances' forecasts (the models are ~20x apart), and the premise is measured on
+    the two instances' forecasts (tens of times apart), and the premise is measured on
     the servers first: tiny-small's best TTFT is under the target, tiny-large's over it."""
     fc = forecasts(client, LONG_PROMPT)
     tight = math.sqrt(fc["tiny-small"] * fc["tiny-large"])
