@@ -65,8 +65,11 @@ def random_snapshot(rng: random.Random, *, n_running: int | None = None,
     else:
         blocks = held + 1_000_000
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                          max_model_len=max_len, block_size=bs, num_gpu_blocks=blocks,
-                          long_prefill_token_threshold=thr)
+                          max_model_len=max_len, block_size=bs,
+                          num_gpu_blocks=blocks + 1,  # (one is vLLM's null block)
+                          long_prefill_token_threshold=thr,
+                          scheduler_reserve_full_isl=rng.random() < 0.85,
+                          watermark=rng.choice([0.0, 0.0, 0.0, 0.01, 0.05]))
     if model is None:
         model = rng.choice([PAPER4, SFS6])
     return Snapshot(cfg, model, time=rng.uniform(0, 100), running=running, waiting=waiting)

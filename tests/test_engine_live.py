@@ -55,7 +55,7 @@ def test_random_aborts_keep_invariants(seed):
         live = [r for r in live if eng.has(r)]
     eng.drain()
     eng.check_invariants()
-    assert eng.idle and eng.free_blocks == SMALL.num_gpu_blocks
+    assert eng.idle and eng.free_blocks == SMALL.usable_blocks
 
 
 def test_observe_moves_a_waiting_request_to_running():

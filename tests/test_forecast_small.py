@@ -27,12 +27,13 @@ T0 = 100.0
 
 def snapshot(running=(), waiting=(), *, budget: int = 8, block_size: int = 4,
              blocks: int = 100, batch_time=PAPER4) -> duetime.Snapshot:
+    """``blocks``: the usable KV blocks (num_gpu_blocks is one more: vLLM's null block)."""
     return duetime.Snapshot.from_dict({
         "version": 1,
         "time": T0,
         "config": {"max_num_batched_tokens": budget, "max_num_seqs": 16,
-                   "max_model_len": 4096, "block_size": block_size, "num_gpu_blocks": blocks,
-                   "long_prefill_token_threshold": 0},
+                   "max_model_len": 4096, "block_size": block_size,
+                   "num_gpu_blocks": blocks + 1, "long_prefill_token_threshold": 0},
         "batch_time": batch_time,
         "running": list(running),
         "waiting": list(waiting),

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from duetime.engine import KVLedger, Request, blocks_for, held_blocks
-from duetime.engine.kv import HELD, block_shift, kv_blocks, kv_need, kv_release, kv_take
+from duetime.engine.kv import (
+    HELD,
+    block_shift,
+    kv_admit,
+    kv_blocks,
+    kv_need,
+    kv_release,
+    kv_take,
+)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 17, 64])
@@ -27,10 +35,12 @@ def test_block_counts(block_size):
 def test_reference_and_compiled_forms_agree(seed):
     rng = random.Random(seed)
     bs, n_blocks = rng.choice([4, 10, 16]), 200
-    ref = KVLedger(n_blocks, bs)
+    wm, full = rng.choice([0, 3]), rng.choice([True, False])
+    ref = KVLedger(n_blocks, bs, watermark_blocks=wm, full_sequence=full)
+    assert ref.usable_blocks == n_blocks - 1  # vLLM's null block
     reqs = [Request(f"r{i}", 10, 10) for i in range(8)]
     req = np.zeros((8, 6), dtype=np.int64)  # the kernel's request table
-    free = n_blocks
+    free = ref.usable_blocks
     shift = block_shift(bs)
     tokens = [0] * 8
     for _ in range(300):
@@ -41,6 +51,10 @@ def test_reference_and_compiled_forms_agree(seed):
             tokens[i] = 0
         else:
             target = tokens[i] + rng.randint(1, 40)
+            whole, others = target + rng.randint(0, 300), rng.random() < 0.5
+            admit = ref.admit(reqs[i], whole, target, others)
+            assert (-1 if admit is None else admit) == kv_admit(
+                req, i, whole, target, free, wm if others else 0, full, bs, shift)
             need = ref.need(reqs[i], target)
             assert need == kv_need(req, i, target, bs, shift)
             if ref.fits(need):

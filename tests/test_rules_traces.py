@@ -23,10 +23,13 @@ S6 = Sfs6(c0=1.0, cp=0.1, cpsq=0.01, cd=0.001, cs=0.0001, css=0.00001)
 
 def engine(*, budget: int = 100, seqs: int = 100, bs: int = 4, blocks: int = 100, thr: int = 0,
            running: tuple[Request, ...] = (), waiting: tuple[Request, ...] = (),
-           model=P4) -> ReferenceEngine:
+           model=P4, full: bool = True, watermark: float = 0.0) -> ReferenceEngine:
+    """``blocks``: the *usable* KV blocks (vLLM's num_gpu_blocks is one more: the null
+    block)."""
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=10_000,
-                          block_size=bs, num_gpu_blocks=blocks,
-                          long_prefill_token_threshold=thr)
+                          block_size=bs, num_gpu_blocks=blocks + 1,
+                          long_prefill_token_threshold=thr, scheduler_reserve_full_isl=full,
+                          watermark=watermark)
     return ReferenceEngine(cfg, model, running=running, waiting=waiting)
 
 
@@ -293,10 +296,13 @@ def test_preemption_of_the_last_running_request_and_its_recompute():
 
 
 def test_no_admission_in_a_step_that_preempted_even_when_the_head_would_fit():
+    # Admission by first chunk only (scheduler_reserve_full_isl off): with full-sequence
+    # admission a victim can never fit in the step that preempted it (the blocks left are fewer
+    # than it held), so only this mode shows the rule.
     # 4 blocks of 4, threshold 4. a decodes (P=4, O=1, C=4: 1 block); v is mid-prefill
     # (P=13, C=12: 3 blocks). Nothing free.
     a, v = decoding("a", 4, 1, 10), Request("v", 13, 5, computed=12)
-    eng = engine(blocks=4, thr=4, running=(a, v))
+    eng = engine(blocks=4, thr=4, running=(a, v), full=False)
     assert eng.free_blocks == 0
 
     # Step 1: a's token 5 needs a 2nd block -> v preempted (free 3), a allocates (free 2).
@@ -404,3 +410,100 @@ def test_step_record_to_dict_has_the_trace_shape():
     assert d["end"] == pytest.approx(11.836) and d["duration"] == pytest.approx(1.836)
     assert d["prefill"] == {"a": 8} and d["decode"] == [] and d["preempted"] == []
     assert rec.start == 10.0 and rec.index == 0
+
+
+# -- vLLM 0.32's admission rules (KVCacheManager, BlockPool, Scheduler) -----------------------------
+
+def test_the_null_block_is_never_allocated():
+    # vLLM's BlockPool keeps one block back: num_gpu_blocks 4 of 4 tokens hold 12 tokens.
+    cfg = SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=10, max_model_len=10_000,
+                          block_size=4, num_gpu_blocks=4)
+    assert cfg.usable_blocks == 3 and cfg.kv_capacity_tokens == 12
+    eng = ReferenceEngine(cfg, P4)
+    assert eng.free_blocks == 3
+    a = Request("a", 12, 1)
+    eng.add(a)
+    # 12 tokens = 3 blocks: admitted whole. 1 + 0.1*12 + 0.001*(12*13/2) = 2.278
+    check(step(eng), duration=2.278, prefill={"a": 12}, first_token=["a"], finished=["a"])
+    assert eng.free_blocks == 3 and eng.kv.usage == 0.0
+
+
+def test_a_waiting_request_is_admitted_only_if_its_whole_sequence_fits():
+    # 10 blocks of 4, budget 8. a (P=24) takes three 8-token chunks; b (P=20) waits behind it.
+    a, b = Request("a", 24, 2), Request("b", 20, 2)
+    eng = engine(blocks=10, budget=8, waiting=(a, b))
+    # Step 1: a's whole 24 tokens (6 blocks) fit: admitted with a chunk of 8 (2 blocks); the
+    # budget is spent. 1 + 0.1*8 + 0.001*(8*9/2) = 1.836
+    check(step(eng), duration=1.836, prefill={"a": 8})
+    # Steps 2, 3: a's next chunks. 1 + 0.8 + 0.001*(8*8 + 36) = 1.9; then (8*16 + 36): 1.964
+    check(step(eng), duration=1.9, prefill={"a": 8})
+    check(step(eng), duration=1.964, prefill={"a": 8}, first_token=["a"])
+    assert eng.free_blocks == 10 - 6
+    # Step 4: a decodes (token 25 needs a 7th block: 3 free). b's first chunk (7 tokens, 2
+    # blocks) would fit, but its whole 20 tokens (5 blocks) do not: not admitted.
+    # 1 + 0.1 + 0.01*24 = 1.34
+    check(step(eng), duration=1.34, decode=["a"], finished=["a"])
+    assert ids(eng.waiting) == ["b"] and eng.free_blocks == 10
+    # Step 5: a's blocks are back; b is admitted. 1.836 as step 1.
+    check(step(eng), duration=1.836, prefill={"b": 8})
+
+    # The same with admission by first chunk only (scheduler_reserve_full_isl off): b comes in
+    # at step 4 with the 7 tokens of budget a left. 1 + 0.1*(1 + 7) + 0.01*24 + 0.001*28 = 2.068
+    a, b = Request("a", 24, 2), Request("b", 20, 2)
+    eng = engine(blocks=10, budget=8, waiting=(a, b), full=False)
+    for _ in range(3):
+        step(eng)
+    check(step(eng), duration=2.068, prefill={"b": 7}, decode=["a"], finished=["a"])
+
+
+def test_the_watermark_applies_to_admissions_while_others_run():
+    # 19 usable blocks of 4 (num_gpu_blocks 20), watermark 0.1: int(0.1 * 20) = 2 blocks spare.
+    # a decodes (P=8, O=1, C=8: 2 blocks; its 9th token takes a 3rd): 16 free after a.
+    def run(watermark: float, prompt: int) -> StepRecord:
+        a, b = decoding("a", 8, 1, 5), Request("b", prompt, 2)
+        return step(engine(blocks=19, watermark=watermark, running=(a,), waiting=(b,)))
+
+    assert run(0.1, 56).prefill == {"b": 56}    # 14 blocks + 2 spare = 16: admitted
+    assert run(0.1, 60).prefill == {}           # 15 + 2 = 17 > 16: waits
+    assert run(0.0, 60).prefill == {"b": 60}    # no watermark: 15 <= 16
+    # alone, nobody runs: no watermark; 17 blocks of 17 free
+    rec = step(engine(blocks=19, watermark=0.1, running=(), waiting=(Request("b", 68, 2),)))
+    assert rec.prefill == {"b": 68}
+
+
+def test_a_lone_request_ignores_the_long_prefill_threshold():
+    # threshold 4: alone, a takes its whole prompt; with company, both get chunks of 4.
+    a = Request("a", 10, 1)
+    check(step(engine(thr=4, waiting=(a,))), duration=1 + 0.1 * 10 + 0.001 * 55,
+          prefill={"a": 10}, first_token=["a"], finished=["a"])
+    a, b = Request("a", 10, 1), Request("b", 10, 1)
+    assert step(engine(thr=4, waiting=(a, b))).prefill == {"a": 4, "b": 4}
+    # a lone running request mid-prefill gets the rest at once
+    a = Request("a", 20, 1, computed=4)
+    assert step(engine(thr=4, running=(a,))).prefill == {"a": 16}
+
+
+def test_a_prompt_larger_than_the_cache_blocks_the_queue_for_good():
+    # 3 usable blocks of 4 (12 tokens). h (13 tokens, 4 blocks) can never be admitted; c waits
+    # behind it for ever, as in vLLM (FCFS: admission stops at the head).
+    from duetime.engine import EngineStuck, Snapshot, forecast
+
+    a, h, c = Request("a", 5, 3), Request("h", 13, 2), Request("c", 2, 2)
+    eng = engine(blocks=3, waiting=(a, h, c))
+    check(step(eng), duration=1 + 0.1 * 5 + 0.001 * 15, prefill={"a": 5}, first_token=["a"])
+    step(eng)
+    check(step(eng), duration=1 + 0.1 + 0.01 * 6, decode=["a"], finished=["a"])
+    assert ids(eng.waiting) == ["h", "c"] and eng.free_blocks == 3
+    with pytest.raises(EngineStuck, match=r"'h' can never be admitted: its 13 tokens need 4 KV "
+                       r"blocks and the instance has 3; it blocks the queue"):
+        eng.step()
+    # a forecast behind it: never, with the reason
+    snap = Snapshot.from_dict({"config": {"max_num_batched_tokens": 100, "max_num_seqs": 10,
+                                          "max_model_len": 10000, "block_size": 4,
+                                          "num_gpu_blocks": 4},
+                               "batch_time": P4.to_dict(),
+                               "waiting": [{"id": "h", "prompt_tokens": 13,
+                                            "predicted_output_tokens": 2}]})
+    for f in (forecast(snap, 2), forecast(snap, 2, trace=True)):
+        assert f.estimate_s == float("inf") and "'h' can never be admitted" in f.reason
+        assert f.to_dict()["estimate_s"] is None

@@ -219,15 +219,18 @@ def test_running_blocks_exceed_num_gpu_blocks():
 
 
 def test_running_blocks_exactly_filling_the_cache_are_fine():
-    # 999 -> 63 blocks, 592 -> 37 blocks: exactly 100.
-    def mutate(d):
+    # 999 -> 63 blocks, 592 -> 37 blocks: exactly 100, the usable blocks beside vLLM's null
+    # block; one block fewer is an error.
+    def mutate(d, blocks=101):
+        d["config"]["num_gpu_blocks"] = blocks
         d["running"] = [
             {"id": "x", "prompt_tokens": 1000, "computed_tokens": 999, "output_tokens": 1,
              "predicted_output_tokens": 5},
             {"id": "y", "prompt_tokens": 700, "computed_tokens": 592, "output_tokens": 0,
              "predicted_output_tokens": 5},
         ]
-    Snapshot.from_dict(bad(mutate))
+    assert Snapshot.from_dict(bad(mutate)).kv_usage == 1.0
+    expect_error(bad(lambda d: mutate(d, 100)), "snapshot.running", "null block")
 
 
 def test_request_reaching_max_model_len():
@@ -277,7 +280,8 @@ def test_round_trip(model):
         d["batch_time"] = {"model": "sfs6", "coefficients": {
             "c0": 0.0073, "cp": 2.1e-5, "cpsq": 5.1e-10, "cd": 2.6e-5, "cs": 4.6e-8,
             "css": 2.7e-13}}
-    d["config"]["long_prefill_token_threshold"] = 512
+    d["config"].update(long_prefill_token_threshold=512, scheduler_reserve_full_isl=False,
+                       watermark=0.01, async_scheduling=True)
     d["waiting"].append({"id": "c", "prompt_tokens": 7, "computed_tokens": 0,
                          "output_tokens": 3, "predicted_output_tokens": 9, "arrival": 12.0})
     s = Snapshot.from_dict(d)

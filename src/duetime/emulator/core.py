@@ -176,7 +176,7 @@ class Emulator:
                     f"requested {need} tokens ({prompt_tokens} in the messages, "
                     f"{max_tokens or 1} in the completion). Please reduce the length of the "
                     "messages or completion.")
-        if blocks_for(need, self.config.block_size) > self.config.num_gpu_blocks:
+        if blocks_for(need, self.config.block_size) > self.config.usable_blocks:
             return (f"the request needs {need} tokens of KV cache; the instance holds "
                     f"{self.config.kv_capacity_tokens}")
         return None

@@ -29,7 +29,7 @@ from duetime.engine import kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import config_array
-from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take
+from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take, stuck_reason
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 
@@ -127,8 +127,9 @@ class Engine:
         self._stamps = np.full((n, 2), np.nan)
         self._run = np.zeros(n, dtype=np.int64)
         self._wq = np.zeros(n, dtype=np.int64)
-        self._st = np.zeros(5, dtype=np.int64)
-        self._st[kn.FREE] = config.num_gpu_blocks
+        self._st = np.zeros(kn.ST_SIZE, dtype=np.int64)
+        self._st[kn.LONE] = -1
+        self._st[kn.FREE] = config.usable_blocks
         self._clock = np.array([float(time)])
         self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
@@ -165,8 +166,8 @@ class Engine:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the KV cache in use (vLLM's ``kv_cache_usage_perc``)."""
-        return 1.0 - self._st[kn.FREE] / self.config.num_gpu_blocks
+        """Fraction of the usable KV cache in use (vLLM's ``kv_cache_usage_perc``)."""
+        return 1.0 - self._st[kn.FREE] / self.config.usable_blocks
 
     @property
     def idle(self) -> bool:
@@ -254,7 +255,7 @@ class Engine:
         when a server woke late). Never backwards."""
         if t > self._clock[0]:
             self._clock[0] = t
-            self._revision += 1
+            self._changed()
 
     # -- stepping API ---------------------------------------------------------------------------
 
@@ -288,7 +289,7 @@ class Engine:
         n = self._wq.shape[0]
         self._wq[(self._st[kn.WH] + self._st[kn.WC]) % n] = r
         self._st[kn.WC] += 1
-        self._revision += 1
+        self._changed()
 
     def _grow(self) -> None:
         """Double the arrays; rows keep their numbers (the order requests were added)."""
@@ -307,6 +308,12 @@ class Engine:
         self._wq[:len(waiting)] = waiting
         self._st[kn.WH] = 0
         self._work = np.zeros((2, 2 * old), dtype=np.int64)
+
+    def _changed(self) -> None:
+        """Requests or their state changed from outside the steps: a new revision, and the
+        kernel's livelock watch starts over."""
+        self._revision += 1
+        self._st[kn.LONE] = -1
 
     def compact(self) -> None:
         """Forget finished requests (their rows are otherwise kept forever). Scheduler state,
@@ -335,7 +342,7 @@ class Engine:
         self._wq[:len(wait_rows)] = np.searchsorted(live, wait_rows)
         self._st[kn.WH] = 0
         self._work = np.zeros((2, size), dtype=np.int64)
-        self._revision += 1
+        self._changed()
 
     def step(self, *, tokens: bool = False) -> StepEvents | None:
         """Run one scheduler step; ``None`` when there is nothing to do. ``tokens``: also
@@ -361,12 +368,13 @@ class Engine:
                           made, ids)
 
     def _raise_if_stuck(self, code: int, row: int) -> None:
-        if code == kn.TOO_BIG:
-            raise EngineStuck(f"request {self._ids[row]!r} needs more KV blocks than the "
-                              f"instance has ({self.config.num_gpu_blocks})")
         if code == kn.STUCK:
-            raise EngineStuck("no request can be scheduled: the waiting queue's head needs "
-                              "more KV blocks than can be freed")
+            if row >= 0:
+                req = self._req
+                raise EngineStuck(stuck_reason(
+                    self._ids[row], int(req[row, kn.PROMPT]), int(req[row, kn.OUTPUT]),
+                    int(req[row, kn.STOP]), self.config))
+            raise EngineStuck("no request can be scheduled")  # pragma: no cover
 
     def run_until(self, t: float, *, stop_on_finish: bool = False) -> list[str]:
         """Step while the clock is before ``t`` (the last step may end after it); an idle
@@ -425,7 +433,7 @@ class Engine:
             self._remove_waiting(r)
         self._req[r, kn.DONE] = 1
         self._stamps[r, 1] = self._clock[0]
-        self._revision += 1
+        self._changed()
         return True
 
     def observe(self, request_id: str, output_tokens: int) -> bool:
@@ -460,7 +468,7 @@ class Engine:
             req[r, kn.STOP] = output_tokens + 1
         if self._stamps[r, 0] != self._stamps[r, 0]:
             self._stamps[r, 0] = self._clock[0]
-        self._revision += 1
+        self._changed()
         return True
 
     def observe_many(self, request_ids: Sequence[str], output_tokens: Sequence[int]) -> int:
@@ -494,7 +502,7 @@ class Engine:
         req[rows, kn.COMP] = comp
         req[rows, kn.OUTPUT] = outs
         req[rows, kn.STOP] = np.maximum(req[rows, kn.STOP], outs + 1)
-        self._revision += 1
+        self._changed()
         return int(rows.size)
 
     # -- the router's view ------------------------------------------------------------------------
@@ -529,7 +537,7 @@ class Engine:
         nrun = int(self._st[kn.NRUN])
         rows = self._run[:nrun]
         held = int(self._req[rows, HELD].sum())
-        assert held + int(self._st[kn.FREE]) == self.config.num_gpu_blocks, "blocks leak"
+        assert held + int(self._st[kn.FREE]) == self.config.usable_blocks, "blocks leak"
         assert nrun <= self.config.max_num_seqs
         assert len(set(rows.tolist())) == nrun
         waiting = self._waiting_rows()

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+NULL_BLOCKS = 1  # vLLM's BlockPool keeps one block back (the null block): never allocated
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """The V1 scheduler's limits. Defaults follow the snapshot format's example.
+    """The V1 scheduler's limits, with vLLM's names and defaults (the snapshot format's
+    example for the sizes).
 
-    ``long_prefill_token_threshold`` of 0 means "off", as in vLLM.
+    ``long_prefill_token_threshold`` of 0 means "off", as in vLLM. ``num_gpu_blocks`` is what
+    vLLM reports (``vllm:cache_config_info``); one of them is the null block, so
+    ``usable_blocks`` = ``num_gpu_blocks`` - 1 hold tokens. ``scheduler_reserve_full_isl``
+    (vLLM's default: on) admits a waiting request only if blocks for its whole sequence fit;
+    ``watermark`` keeps that fraction of ``num_gpu_blocks`` free when admitting waiting or
+    preempted requests while others run; ``async_scheduling`` schedules step k+1 before step
+    k's output is applied (vLLM's default on GPUs; the CPU platform turns it off).
     """
 
     max_num_batched_tokens: int = 8192
@@ -18,6 +27,9 @@ class SchedulerConfig:
     block_size: int = 16
     num_gpu_blocks: int = 100_000
     long_prefill_token_threshold: int = 0
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -25,10 +37,20 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"config.{name}: must be a positive integer, got {value!r}")
+        if self.num_gpu_blocks <= NULL_BLOCKS:
+            raise ValueError(f"config.num_gpu_blocks: must be at least {NULL_BLOCKS + 1} (one "
+                             f"is vLLM's null block), got {self.num_gpu_blocks}")
         thr = self.long_prefill_token_threshold
         if not isinstance(thr, int) or isinstance(thr, bool) or thr < 0:
             raise ValueError(
                 f"config.long_prefill_token_threshold: must be an integer >= 0, got {thr!r}")
+        for name in ("scheduler_reserve_full_isl", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"config.{name}: must be true or false, got "
+                                 f"{getattr(self, name)!r}")
+        wm = self.watermark
+        if isinstance(wm, bool) or not isinstance(wm, int | float) or not 0.0 <= wm < 1.0:
+            raise ValueError(f"config.watermark: must be a number in [0, 1), got {wm!r}")
 
     @property
     def chunk_cap(self) -> int:
@@ -37,8 +59,19 @@ class SchedulerConfig:
         return thr if 0 < thr < self.max_num_batched_tokens else self.max_num_batched_tokens
 
     @property
-    def kv_capacity_tokens(self) -> int:
-        return self.num_gpu_blocks * self.block_size
+    def usable_blocks(self) -> int:
+        """KV blocks that can hold tokens (all but the null block)."""
+        return self.num_gpu_blocks - NULL_BLOCKS
 
-    def to_dict(self) -> dict[str, int]:
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks kept free when admitting waiting requests while others run (vLLM's
+        ``int(watermark * num_blocks)``)."""
+        return int(self.watermark * self.num_gpu_blocks)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.usable_blocks * self.block_size
+
+    def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)

@@ -22,6 +22,7 @@ tested against the reference loop.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -31,7 +32,7 @@ import numpy as np
 from duetime.engine import kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.kv import block_shift, blocks_for
+from duetime.engine.kv import block_shift, blocks_for, stuck_reason
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
 from duetime.engine.scheduler import EngineStuck, ReferenceEngine
@@ -43,20 +44,28 @@ DEFAULT_MAX_STEPS = 1_000_000
 
 
 class ForecastError(ValueError):
-    """A forecast that cannot be made (bad probe, or the replay cannot finish)."""
+    """A forecast that cannot be made (a bad probe, or a replay past its step cap)."""
 
 
 @dataclass(slots=True)
 class Forecast:
     """``estimate_s`` is measured from the snapshot's ``time``; ``steps`` counts replayed steps
-    up to and including the probe's event; ``trace`` lists them when asked for."""
+    up to and including the probe's event; ``trace`` lists them when asked for. A probe that
+    will never get there (the queue ahead of it is blocked for good: a request that can never
+    be admitted) has ``estimate_s`` = inf and the ``reason``."""
 
     estimate_s: float
     steps: int
     trace: list[dict[str, Any]] | None = field(default=None)
+    reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"estimate_s": self.estimate_s, "steps": self.steps}
+        """JSON-ready: an infinite estimate is ``null``, with its ``reason``."""
+        finite = math.isfinite(self.estimate_s)
+        d: dict[str, Any] = {"estimate_s": self.estimate_s if finite else None,
+                             "steps": self.steps}
+        if self.reason is not None:
+            d["reason"] = self.reason
         if self.trace is not None:
             d["trace"] = self.trace
         return d
@@ -76,8 +85,9 @@ def _probe_id(snapshot: Snapshot) -> str:
 def config_array(cfg: SchedulerConfig) -> np.ndarray:
     """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`)."""
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
-                     cfg.max_model_len, cfg.block_size, cfg.num_gpu_blocks,
-                     block_shift(cfg.block_size)], dtype=np.int64)
+                     cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
+                     block_shift(cfg.block_size), cfg.watermark_blocks,
+                     int(cfg.scheduler_reserve_full_isl)], dtype=np.int64)
 
 
 @lru_cache(maxsize=256)
@@ -93,11 +103,12 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     run, wait = snapshot.running_table, snapshot.waiting_table
     req, stamps, running, wq, st, clock = kn.prepare(
         run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
-        wait.predicted, cfg.block_size, cfg_arr[kn.SHIFT], cfg.num_gpu_blocks, sigma, 0.0)
+        wait.predicted, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0)
     if st[kn.FREE] < 0:
         raise ForecastError(f"snapshot: the running requests hold "
-                            f"{cfg.num_gpu_blocks - int(st[kn.FREE])} KV blocks but "
-                            f"num_gpu_blocks = {cfg.num_gpu_blocks}")
+                            f"{cfg.usable_blocks - int(st[kn.FREE])} KV blocks but the instance "
+                            f"has {cfg.usable_blocks} (num_gpu_blocks = {cfg.num_gpu_blocks}, "
+                            "one is the null block)")
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
         st[kn.WC] += 1
@@ -113,18 +124,17 @@ def _request_id(snapshot: Snapshot, r: int, probe_id: str) -> str:
     return probe_id
 
 
-def _kernel_error(code: int, detail: int, snapshot: Snapshot, probe_id: str, max_steps: int,
-                  what: str) -> ForecastError:
-    cfg = snapshot.config
+def _stuck_reason(snapshot: Snapshot, req: np.ndarray, head: int, probe_id: str) -> str:
+    """Why a replay cannot go on: the waiting head can never run to its end."""
+    if head < 0:  # pragma: no cover - a stuck step always has a waiting head
+        return "no request can be scheduled"
+    return stuck_reason(_request_id(snapshot, head, probe_id), int(req[head, kn.PROMPT]),
+                        int(req[head, kn.OUTPUT]), int(req[head, kn.STOP]), snapshot.config)
+
+
+def _kernel_error(code: int, max_steps: int, what: str) -> ForecastError:
     if code == kn.STEP_CAP:
         return ForecastError(f"replay did not reach {what} within {max_steps} steps")
-    if code == kn.TOO_BIG:
-        rid = _request_id(snapshot, detail, probe_id)
-        return ForecastError(f"replay cannot progress: request {rid!r} needs more KV blocks "
-                             f"than the instance has ({cfg.num_gpu_blocks})")
-    if code == kn.STUCK:
-        return ForecastError("replay cannot progress: the waiting queue's head needs more KV "
-                             "blocks than can be freed")
     return ForecastError(f"replay ended before {what} (code {code})")  # pragma: no cover
 
 
@@ -138,9 +148,9 @@ def _check_probe(config: SchedulerConfig, prompt_tokens: int,
     if prompt_tokens >= config.max_model_len:
         raise ForecastError(f"prompt_tokens: {prompt_tokens} does not fit max_model_len "
                             f"{config.max_model_len}")
-    if blocks_for(int(prompt_tokens), config.block_size) > config.num_gpu_blocks:
+    if blocks_for(int(prompt_tokens), config.block_size) > config.usable_blocks:
         raise ForecastError(f"prompt_tokens: {prompt_tokens} tokens need more KV blocks than "
-                            f"the instance has ({config.num_gpu_blocks} x {config.block_size})")
+                            f"the instance has ({config.usable_blocks} x {config.block_size})")
     if until == "finish":
         if predicted_output_tokens is None:
             raise ForecastError("predicted_output_tokens: required when until='finish'")
@@ -190,13 +200,17 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
                     step["end"] += snapshot.time
                     steps.append(step)
         except EngineStuck as e:
-            raise ForecastError(f"replay cannot progress: {e}") from None
+            return Forecast(math.inf, eng.steps, steps, reason=str(e))
         return Forecast(getattr(probe, attr) - t0, eng.steps, steps)
     state = _state(snapshot, sigma, (prompt_tokens, stop))
     code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
+    st = state[4]
+    if code == kn.STUCK:
+        return Forecast(math.inf, int(st[kn.K]),
+                        reason=_stuck_reason(snapshot, state[0], detail, pid))
     if code != kn.REACHED:
-        raise _kernel_error(code, detail, snapshot, pid, max_steps, what)
-    stamps, st = state[1], state[4]
+        raise _kernel_error(code, max_steps, what)
+    stamps = state[1]
     return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0, int(st[kn.K]))
 
 
@@ -211,6 +225,8 @@ class Forecaster:
         cfg = snapshot.config
         self._cap = cfg.chunk_cap
         self._budget = cfg.max_num_batched_tokens
+        self._spare = cfg.watermark_blocks  # the probe is admitted while others run
+        self._full = cfg.scheduler_reserve_full_isl
         self._bs = cfg.block_size
         self._model = snapshot.model
         self._state = _state(snapshot, sigma)
@@ -258,7 +274,8 @@ class Forecaster:
         bs = self._bs
 
         # 1. Admission: the first step that drains the queue ahead and leaves budget, a seat
-        #    and KV blocks for the probe's first chunk.
+        #    and KV blocks for the probe (its whole prompt, with vLLM's full-sequence
+        #    admission; else its first chunk) with the watermark to spare.
         room = self._room
         while not room[1] and self._extend(p):
             pass
@@ -273,7 +290,7 @@ class Forecaster:
                 la, free, flags = self._rec[s].tolist()
                 if flags & need_flags == need_flags and la > 0:
                     x0 = min(p, cap, la)
-                    if blocks_for(x0, bs) <= free:
+                    if blocks_for(p if self._full else x0, bs) + self._spare <= free:
                         break
                 s += 1
         if s is None:  # the base went idle first: the probe runs alone from then on
@@ -324,11 +341,12 @@ class Forecaster:
 
     def _alone(self, p: int, c: int, extra: float) -> Forecast:
         """The base is idle with ``c`` of the probe's ``p`` tokens computed and ``extra`` of
-        its batch time spent; it runs alone from there, full chunks per step."""
+        its batch time spent; it runs alone from there, whole budgets per step (a lone request
+        ignores the long-prefill threshold)."""
         t = (float(self._rec_t[self._n - 1]) if self._n else 0.0) + extra
         k = self._n
         rem = p - c
-        y = min(self._cap, self._budget)
+        y = self._budget
         j = -(-rem // y)
         last = rem - (j - 1) * y
         sq = (j - 1) * y * y + last * last

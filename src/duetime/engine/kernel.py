@@ -19,8 +19,9 @@ Layout (all int64 unless noted; request ``r`` is an index):
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
 * ``st``: step index, free blocks, run length, queue head, queue length; ``clock`` (float64[1]);
-* ``cfg``: budget, chunk cap, max_num_seqs, max_model_len, block size, num_gpu_blocks,
-  log2(block size) or -1 (see :mod:`duetime.engine.kv`);
+* ``cfg``: budget, chunk cap (the long-prefill threshold, or the budget), max_num_seqs,
+  max_model_len, block size, usable blocks, log2(block size) or -1 (see
+  :mod:`duetime.engine.kv`), watermark blocks, full-sequence admission (0/1);
 * ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
   order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
 """
@@ -30,21 +31,21 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.engine._jit import njit
-from duetime.engine.kv import HELD, kv_blocks, kv_need, kv_release, kv_take
+from duetime.engine.kv import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv_take
 from duetime.engine.remaining import stop_length
 
 # req columns (HELD, 4, is the KV ledger's)
 PROMPT, OUTPUT, STOP, COMP, DONE = 0, 1, 2, 3, 5
 REQ_COLUMNS = 6
 assert HELD == 4
-# st fields
-K, FREE, NRUN, WH, WC = range(5)
+# st fields (LONE, QUIET: the livelock watch, see step())
+K, FREE, NRUN, WH, WC, LONE, QUIET = range(7)
+ST_SIZE = 7
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
-BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT = range(7)
+BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ = range(9)
 
 # step() results (>= 0: number of requests scheduled)
-STUCK = -1      # nothing can be scheduled and nothing changes
-TOO_BIG = -2    # a request alone needs more KV blocks than the instance has
+STUCK = -1      # nothing can be scheduled now and nothing changed (without arrivals: forever)
 
 # run_* results
 REACHED = 0     # the probe's event happened / the base covered the requested room / the time
@@ -90,7 +91,8 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
         wq[i] = n_run + i
     wq[n_wait] = n - 1
     stamps = np.full((n, 2), np.nan)
-    st = np.zeros(5, dtype=np.int64)
+    st = np.zeros(ST_SIZE, dtype=np.int64)
+    st[LONE] = -1
     st[FREE] = num_blocks - used
     st[NRUN] = n_run
     st[WC] = n_wait
@@ -99,14 +101,17 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
 
 
 @njit(cache=True, nogil=True)
-def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # pragma: no cover
+def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
+         extra=0):  # pragma: no cover - jit
     """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[8]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
-    victim (on TOO_BIG), first tokens, finished, preempted]; the rows that got their first
-    token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
-    Returns the number of scheduled requests, or STUCK / TOO_BIG. ``noise`` > 0 multiplies the
-    step's duration by a mean-one log-normal factor with that log-space spread (a simulated
-    instance's "true" timing; numba's global RNG, see :func:`seed`).
+    the waiting head (on STUCK), first tokens, finished, preempted]; the rows that got their
+    first token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
+    Returns the number of scheduled requests, or STUCK. ``noise`` > 0 multiplies the step's
+    duration by a mean-one log-normal factor with that log-space spread (a simulated
+    instance's "true" timing; numba's global RNG, see :func:`seed`). ``extra``: requests not in
+    the arrays that count as present (a forecaster's probe): a request alone ignores the
+    long-prefill threshold.
 
     One loop serves both phases: first the running requests in order (phase 0), then, if
     nothing was preempted, the waiting queue FCFS (phase 1). A scheduled request's tokens are
@@ -115,16 +120,19 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
     are freed at the step's end.
     """
     budget = cfg[BUDGET]
-    cap = cfg[CAP]
     bs = cfg[BS]
     shift = cfg[SHIFT]
     max_len = cfg[MAXLEN]
     max_seqs = cfg[MAXSEQS]
+    wm = cfg[WM]
+    full = cfg[FULLSEQ]
     n_q = wq.shape[0]
     free = st[FREE]
     nrun = st[NRUN]
     wh = st[WH]
     wc = st[WC]
+    # a lone request ignores the long-prefill threshold (nobody to starve)
+    cap = cfg[CAP] if nrun + wc + extra > 1 else budget
     done = work[0]
     first = work[1]
     nd = 0
@@ -160,8 +168,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
             n = cap
         if n > budget:
             n = budget
-        need = kv_need(req, r, c + n, bs, shift)
         if phase == 0:
+            need = kv_need(req, r, c + n, bs, shift)
             ok = True
             while free < need:  # preempt the newest running request (maybe r itself)
                 nrun -= 1
@@ -172,18 +180,30 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
                 wq[wh] = v
                 wc += 1
                 preempted += 1
-                if v == r:
-                    if nrun == 0:
-                        out[4] = r
-                        return TOO_BIG
+                if v == r:  # alone and still too big: it waits, maybe for ever
                     ok = False
+                    if nrun == 0:
+                        # A livelock if it happened before with no output since: every
+                        # request waits with nothing computed, in the same order, with the
+                        # same outputs, so the steps since repeat for ever.
+                        if st[LONE] == r and st[QUIET] == 1:
+                            st[NRUN] = nrun
+                            st[WH] = wh
+                            st[WC] = wc
+                            st[FREE] = free
+                            out[4] = r
+                            return STUCK
+                        st[LONE] = r
+                        st[QUIET] = 1
                     break
             if not ok:
                 out[0] = budget
                 break
             i += 1
-        else:
-            if free < need:
+        else:  # admission: the whole sequence must fit (and the watermark while others run)
+            need = kv_admit(req, r, length if length < max_len else max_len, c + n, free,
+                            wm if nrun > 0 else 0, full, bs, shift)
+            if need < 0:
                 break
             wh = (wh + 1) % n_q
             wc -= 1
@@ -206,6 +226,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
         if c + n == length:
             o = req[r, OUTPUT] + 1
             req[r, OUTPUT] = o
+            st[QUIET] = 0
             if o == 1:
                 first[nf] = r
                 nf += 1
@@ -230,6 +251,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0):  # prag
     st[WC] = wc
     if ns == 0 and preempted == 0:
         st[FREE] = free
+        out[4] = wq[wh] if wc > 0 else -1
         return STUCK
     # duration: the batch-time model of the composition (exact integer features)
     t_end = clock[0]
@@ -303,7 +325,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
             return FULL, n_rec, 0
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, 0.0, 1)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]
@@ -328,7 +350,7 @@ def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, t_limit, stop_
               noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after
     it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
-    finished rows are ``work[0, :out[6]]``), or STUCK / TOO_BIG (detail: the row)."""
+    finished rows are ``work[0, :out[6]]``), or STUCK (detail: the waiting head's row)."""
     while clock[0] < t_limit:
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.kv import KVLedger
+from duetime.engine.kv import KVLedger, stuck_reason
 from duetime.engine.request import Request
 
 
 class EngineStuck(RuntimeError):
-    """Work is resident but no step can make progress (a request cannot fit in the KV cache)."""
+    """Work is resident but can never progress: the waiting head cannot be admitted (and
+    nothing runs), or it outgrows the whole KV cache and is preempted and recomputed for ever
+    (a livelock, seen the second time it preempts itself alone with no output since)."""
 
 
 @dataclass(slots=True)
@@ -35,6 +37,7 @@ class StepRecord:
     first_token: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)  # requests that produced an output token
+    scheduled: list[tuple[str, int]] = field(default_factory=list)  # in schedule order
 
     @property
     def duration(self) -> float:
@@ -59,7 +62,11 @@ class ReferenceEngine:
         self.steps = steps
         self.running: list[Request] = list(running)
         self.waiting: deque[Request] = waiting if isinstance(waiting, deque) else deque(waiting)
-        self.kv = KVLedger(config.num_gpu_blocks, config.block_size, free_blocks)
+        self.kv = KVLedger.of(config, free_blocks)
+        self._lone: Request | None = None  # the livelock watch (see step)
+        self._quiet = False
+        # False: a livelock goes on as in vLLM (a caller that will add requests later)
+        self.watch_livelock = True
         if free_blocks is None:
             for r in self.running:
                 self.kv.hold(r, r.computed)
@@ -67,7 +74,8 @@ class ReferenceEngine:
                 r.blocks = 0
         if self.kv.free_blocks < 0:
             raise ValueError(f"running requests hold {self.kv.used_blocks} KV blocks but the "
-                             f"instance has only {config.num_gpu_blocks}")
+                             f"instance has only {config.usable_blocks} (of "
+                             f"num_gpu_blocks = {config.num_gpu_blocks}, one is the null block)")
 
     @property
     def free_blocks(self) -> int:
@@ -79,6 +87,7 @@ class ReferenceEngine:
         """Queue a request at the tail of the waiting queue (takes effect at the next step)."""
         request.blocks = 0
         self.waiting.append(request)
+        self._lone = None  # the livelock watch starts over (see step)
 
     @property
     def idle(self) -> bool:
@@ -90,11 +99,12 @@ class ReferenceEngine:
             return None
         cfg = self.config
         kv = self.kv
-        cap = cfg.chunk_cap
         max_len = cfg.max_model_len
         budget = cfg.max_num_batched_tokens
         running = self.running
         waiting = self.waiting
+        # a lone request ignores the long-prefill threshold (nobody to starve)
+        cap = cfg.chunk_cap if len(running) + len(waiting) > 1 else budget
         rec = StepRecord(self.steps, self.time, self.time)
         scheduled: list[tuple[Request, int]] = []
 
@@ -112,32 +122,39 @@ class ReferenceEngine:
                 v.computed = 0
                 waiting.appendleft(v)
                 rec.preempted.append(v.id)
-                if v is r:
-                    if not running:  # alone with every block free, and still too big
-                        raise EngineStuck(
-                            f"request {r.id!r} needs {kv.blocks_for(target)} KV blocks "
-                            f"for {target} tokens but the instance has {cfg.num_gpu_blocks}")
+                if v is r:  # alone and still too big: it waits, maybe for ever
                     ok = False
+                    if not running:
+                        # A livelock if it happened before with no output since: every
+                        # request waits with nothing computed, in the same order, with the
+                        # same outputs, so the steps since repeat for ever.
+                        if self._lone is r and self._quiet and self.watch_livelock:
+                            raise EngineStuck(self._stuck_reason())
+                        self._lone, self._quiet = r, True
                     break
             if not ok:
                 break
             kv.take(r, need)
             scheduled.append((r, n))
+            rec.scheduled.append((r.id, n))
             budget -= n
             i += 1
 
-        # 2. Waiting requests, FCFS, only if nothing was preempted.
+        # 2. Waiting requests, FCFS, only if nothing was preempted; the head must be admitted
+        #    (its whole sequence fits, with the watermark while others run) or nobody is.
         if not rec.preempted:
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
-                n = min(r.prompt + r.output - r.computed, cap, budget)
-                need = kv.need(r, r.computed + n)
-                if not kv.fits(need):
+                length = r.prompt + r.output
+                n = min(length - r.computed, cap, budget)
+                need = kv.admit(r, min(length, max_len), r.computed + n, bool(running))
+                if need is None:
                     break
                 waiting.popleft()
                 running.append(r)
                 kv.take(r, need)
                 scheduled.append((r, n))
+                rec.scheduled.append((r.id, n))
                 budget -= n
 
         if not scheduled and not rec.preempted:
@@ -170,6 +187,7 @@ class ReferenceEngine:
             r.computed += n
             if r.computed == r.prompt + r.output:
                 r.output += 1
+                self._quiet = False
                 rec.tokens.append(r.id)
                 if r.output == 1:
                     r.first_token = end
@@ -188,6 +206,5 @@ class ReferenceEngine:
     def _stuck_reason(self) -> str:
         head = self.waiting[0] if self.waiting else None
         if head is not None:
-            return (f"request {head.id!r} needs more KV blocks than the instance can free "
-                    f"({self.kv.free_blocks} free of {self.config.num_gpu_blocks})")
+            return stuck_reason(head.id, head.prompt, head.output, head.stop, self.config)
         return "no running request can be scheduled"

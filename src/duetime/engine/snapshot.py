@@ -86,8 +86,11 @@ class _ConfigIn(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_model_len: int = Field(32768, ge=2)
     block_size: int = Field(16, ge=1)
-    num_gpu_blocks: int = Field(100_000, ge=1)
+    num_gpu_blocks: int = Field(100_000, ge=2)
     long_prefill_token_threshold: int = Field(0, ge=0)
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = Field(0.0, ge=0.0, lt=1.0)
+    async_scheduling: bool = False
     chunked_prefill: Literal[True] = True
     enable_chunked_prefill: Literal[True] = True
     prefix_caching: Literal[False] = False
@@ -265,17 +268,18 @@ class Snapshot:
             raise SnapshotError(f"snapshot.running: {len(run)} running requests exceed "
                                 f"config.max_num_seqs = {cfg.max_num_seqs}")
         held = held_blocks(run.computed, cfg.block_size)
-        if held > cfg.num_gpu_blocks:
+        if held > cfg.usable_blocks:
             raise SnapshotError(f"snapshot.running: the running requests hold {held} KV blocks "
-                                f"(ceil(computed_tokens / block_size) each) but "
-                                f"config.num_gpu_blocks = {cfg.num_gpu_blocks}")
+                                f"(ceil(computed_tokens / block_size) each) but the instance "
+                                f"has {cfg.usable_blocks} (config.num_gpu_blocks = "
+                                f"{cfg.num_gpu_blocks}, one is the null block)")
 
     @property
     def kv_usage(self) -> float:
         """Fraction of the KV cache the running requests hold (vLLM's
         ``kv_cache_usage_perc``)."""
         return held_blocks(self.running_table.computed, self.config.block_size) / (
-            self.config.num_gpu_blocks)
+            self.config.usable_blocks)
 
     def shifted(self, dt: float) -> Snapshot:
         """The same state on another clock: ``time`` and every arrival moved by ``dt``

@@ -1,0 +1,242 @@
+"""Differential runs: vLLM's own scheduler against duetime's engine, on the same requests.
+
+``cases(seed, n)`` makes seeded random cases (budgets, sequence caps, thresholds, tight and ample
+KV, arrivals over time); ``targeted()`` adds one case per rule. ``run_vllm`` feeds them to
+``vllm_scheduler.py`` in the vLLM venv; ``run_engine`` replays them with duetime's reference
+loop under the same step protocol; ``compare`` says, per case, whether every step agrees
+(scheduled tokens per request in order, preemption victims in order, first tokens, finishes,
+and how the run ended) and where they first differ.
+
+As a script it prints the agreement counts (the vLLM venv's python is found as in the e2e
+suite: ``DUETIME_VLLM_PYTHON`` or ``.venv-vllm/bin/python``)::
+
+    python tests/e2e/scheduler_diff.py [--cases 360] [--seed 0] [--show 3]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from duetime.engine import EngineStuck, Paper4, ReferenceEngine, Request, SchedulerConfig
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+RUNNER = HERE / "vllm_scheduler.py"
+MODEL = Paper4(b0=1e-3, b1=1e-5, b2=0.0, b3=0.0)  # durations play no part in the comparison
+
+Case = dict[str, Any]
+
+
+# -- cases ------------------------------------------------------------------------------------------
+
+def random_case(rng: random.Random, name: str, *, asynchronous: bool = False) -> Case:
+    budget = rng.choice([16, 32, 64, 128, 512, 2048])
+    seqs = min(budget, rng.choice([1, 2, 3, 4, 8, 32]))
+    mml = rng.choice([256, 1024, 4096])
+    blocks = rng.choice([3, 6, 12, 24, 48, 200, 2000])
+    threshold = rng.choice([0, 0, 0, 8, 32, 100])
+    n = rng.randint(1, 12)
+    spread = rng.choice([0, 0, 5, 30])
+    requests = []
+    for i in range(n):
+        hi = min(mml - 1, rng.choice([40, 300, 1500]))
+        prompt = rng.randint(1, hi)
+        requests.append({"id": f"r{i}", "prompt_tokens": prompt,
+                         "output_tokens": rng.randint(1, rng.choice([3, 20, 60])),
+                         "arrival_step": rng.randint(0, spread)})
+    requests.sort(key=lambda r: r["arrival_step"])
+    return {"name": name, "config": {
+        "max_num_batched_tokens": budget, "max_num_seqs": seqs, "max_model_len": mml,
+        "block_size": 16, "num_gpu_blocks": blocks, "long_prefill_token_threshold": threshold,
+        "watermark": rng.choice([0.0, 0.0, 0.0, 0.05, 0.2]),
+        "scheduler_reserve_full_isl": rng.choice([True, True, True, False]),
+        "async_scheduling": asynchronous}, "requests": requests, "max_steps": 3000}
+
+
+def cases(seed: int = 0, n: int = 360, *, asynchronous: bool = False) -> list[Case]:
+    rng = random.Random(seed)
+    mode = "async" if asynchronous else "sync"
+    return [random_case(rng, f"{mode}-{seed}-{i}", asynchronous=asynchronous) for i in range(n)]
+
+
+def _case(name: str, cfg: dict[str, Any], reqs: list[tuple[int, int, int]]) -> Case:
+    base = {"max_num_batched_tokens": 64, "max_num_seqs": 4, "max_model_len": 1024,
+            "block_size": 16, "num_gpu_blocks": 100, "long_prefill_token_threshold": 0}
+    return {"name": name, "config": {**base, **cfg}, "max_steps": 3000, "requests": [
+        {"id": f"r{i}", "prompt_tokens": p, "output_tokens": o, "arrival_step": a}
+        for i, (p, o, a) in enumerate(reqs)]}
+
+
+def targeted(*, asynchronous: bool = False) -> list[Case]:
+    """One or more cases per rule (``shared/reference/vllm-v1-scheduler.md``)."""
+    out = [
+        # A: the null block: 4 blocks hold 3 x 16 tokens, not 64
+        _case("A-null-block", {"num_gpu_blocks": 4}, [(60, 2, 0)]),
+        _case("A-null-block-decode", {"num_gpu_blocks": 4}, [(47, 4, 0), (10, 2, 0)]),
+        # B: full-sequence admission: the second prompt's blocks do not fit beside the first
+        _case("B-full-sequence", {"num_gpu_blocks": 20, "max_num_batched_tokens": 32},
+              [(200, 5, 0), (150, 5, 0)]),
+        _case("B-full-sequence-arrival", {"num_gpu_blocks": 16}, [(100, 30, 0), (150, 3, 2)]),
+        _case("B-watermark", {"num_gpu_blocks": 40, "watermark": 0.25},
+              [(200, 4, 0), (200, 4, 1), (16, 2, 2)]),
+        _case("B-first-chunk-only", {"num_gpu_blocks": 20, "max_num_batched_tokens": 32,
+                                     "scheduler_reserve_full_isl": False},
+              [(200, 5, 0), (150, 5, 0)]),
+        # C: a lone request ignores the threshold
+        _case("C-lone-request", {"long_prefill_token_threshold": 16}, [(200, 2, 0)]),
+        _case("C-lone-then-company", {"long_prefill_token_threshold": 16},
+              [(300, 2, 0), (40, 2, 3)]),
+        # H: a prompt larger than the whole cache blocks the queue behind it
+        _case("H-never-fits", {"num_gpu_blocks": 8}, [(30, 3, 0), (500, 2, 0), (10, 2, 0)]),
+        # ... and one that outgrows the cache while it decodes: kept out for good by the
+        # full-sequence admission, else preempted and recomputed for ever (a livelock), while
+        # a small request beside it still finishes
+        _case("H-outgrows", {"num_gpu_blocks": 4, "max_num_batched_tokens": 16},
+              [(40, 20, 0), (5, 3, 1)]),
+        _case("H-outgrows-livelock", {"num_gpu_blocks": 4, "max_num_batched_tokens": 16,
+                                      "scheduler_reserve_full_isl": False},
+              [(40, 20, 0), (5, 3, 1)]),
+        # preemption under tight KV
+        _case("tight-kv-preemption", {"num_gpu_blocks": 12, "max_num_batched_tokens": 128},
+              [(60, 40, 0), (60, 40, 0), (60, 40, 0), (20, 40, 1)]),
+        # max_model_len ends a request
+        _case("max-model-len", {"max_model_len": 256}, [(250, 20, 0), (100, 200, 0)]),
+    ]
+    for c in out:
+        c["config"]["async_scheduling"] = asynchronous
+        c["name"] = ("async-" if asynchronous else "sync-") + c["name"]
+    return out
+
+
+# -- the two sides ----------------------------------------------------------------------------------
+
+def find_vllm_python() -> Path | None:
+    env = os.environ.get("DUETIME_VLLM_PYTHON")
+    if env:
+        return Path(env)
+    default = REPO / ".venv-vllm" / "bin" / "python"
+    return default if default.exists() else None
+
+
+def run_vllm(python: Path, batch: list[Case], timeout_s: float = 900.0) -> list[dict]:
+    """vLLM's results for the cases, in order (one subprocess for all of them)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([str(python), str(RUNNER)], input="".join(
+        json.dumps(c) + "\n" for c in batch), capture_output=True, text=True, env=env,
+        timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vllm_scheduler.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def engine_config(cfg: dict[str, Any]) -> SchedulerConfig:
+    return SchedulerConfig(max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                           max_num_seqs=cfg["max_num_seqs"], max_model_len=cfg["max_model_len"],
+                           block_size=cfg.get("block_size", 16),
+                           num_gpu_blocks=cfg["num_gpu_blocks"],
+                           long_prefill_token_threshold=cfg.get("long_prefill_token_threshold", 0),
+                           scheduler_reserve_full_isl=cfg.get("scheduler_reserve_full_isl", True),
+                           watermark=cfg.get("watermark", 0.0),
+                           async_scheduling=cfg.get("async_scheduling", False))
+
+
+def run_engine(case: Case) -> dict:
+    """duetime's reference loop on the case, step by step as the vLLM runner steps."""
+    eng = ReferenceEngine(engine_config(case["config"]), MODEL)
+    arrivals: dict[int, list[dict]] = {}
+    for r in case["requests"]:
+        arrivals.setdefault(r["arrival_step"], []).append(r)
+    last = max(arrivals, default=0)
+    steps: list[dict] = []
+    end = "max_steps"
+    for k in range(case.get("max_steps", 5000)):
+        for r in arrivals.get(k, ()):
+            eng.add(Request(r["id"], r["prompt_tokens"], r["output_tokens"]))
+        eng.watch_livelock = k >= last  # as the vLLM runner watches
+        if eng.idle:
+            if k > last:
+                end = "done"
+                break
+            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": []})
+            continue
+        try:
+            rec = eng.step()
+        except EngineStuck:  # nothing can be scheduled now, or a livelock: stuck for good
+            if k >= last:    # unless a request still to come changes that (as in vLLM)
+                end = "stuck"
+                break
+            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": []})
+            continue
+        assert rec is not None
+        steps.append({"scheduled": [[rid, n] for rid, n in rec.scheduled],
+                      "preempted": list(rec.preempted), "first": list(rec.first_token),
+                      "finished": list(rec.finished)})
+    while steps and not any(steps[-1].values()):
+        steps.pop()
+    return {"name": case.get("name", ""), "steps": steps, "end": end}
+
+
+def compare(want: dict, got: dict) -> str | None:
+    """None if the two runs agree step for step; else where they first differ."""
+    for k in range(max(len(want["steps"]), len(got["steps"]))):
+        if k >= len(want["steps"]) or k >= len(got["steps"]):
+            return f"step {k}: one run ended ({len(want['steps'])} vs {len(got['steps'])} steps)"
+        a, b = want["steps"][k], got["steps"][k]
+        for key in ("scheduled", "preempted"):
+            if a[key] != b[key]:
+                return f"step {k} {key}: vLLM {a[key]} engine {b[key]}"
+        for key in ("first", "finished"):
+            if sorted(a[key]) != sorted(b[key]):
+                return f"step {k} {key}: vLLM {sorted(a[key])} engine {sorted(b[key])}"
+    if want["end"] != got["end"]:
+        return f"end: vLLM {want['end']} engine {got['end']}"
+    return None
+
+
+def preemptions(result: dict) -> int:
+    return sum(len(s["preempted"]) for s in result["steps"])
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=360)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--show", type=int, default=3, help="first differences shown per mode")
+    ap.add_argument("--modes", default="sync,async")
+    args = ap.parse_args()
+    python = find_vllm_python()
+    if python is None or not python.exists():
+        raise SystemExit("no vLLM venv: run scripts/vllm_cpu/setup_env.sh or set "
+                         "DUETIME_VLLM_PYTHON")
+    for mode in args.modes.split(","):
+        asyn = mode == "async"
+        batch = cases(args.seed, args.cases, asynchronous=asyn) + targeted(asynchronous=asyn)
+        wants = run_vllm(python, batch)
+        diffs, pre_v, pre_e = [], 0, 0
+        for case, want in zip(batch, wants, strict=True):
+            got = run_engine(case)
+            pre_v += preemptions(want)
+            pre_e += preemptions(got)
+            why = compare(want, got)
+            if why:
+                diffs.append((case["name"], why))
+        print(f"{mode}: {len(batch) - len(diffs)} of {len(batch)} cases agree step for step "
+              f"({args.cases} random, seed {args.seed}, + {len(batch) - args.cases} targeted); "
+              f"preemptions vLLM {pre_v}, engine {pre_e}")
+        for name, why in diffs[:args.show]:
+            print(f"  {name}: {why}")
+        rules = [n for n, _ in diffs if not n.split("-", 1)[1][0].isdigit()]
+        if rules:
+            print(f"  targeted cases that differ: {', '.join(rules)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
