@@ -158,10 +158,14 @@ def requests(draw, max_len: int, kind: str, snapshot: bool) -> tuple[int, int, i
 
 @st.composite
 def states(draw, kv: str = "any", snapshot: bool = False, max_running: int = 8,
-           max_waiting: int = 6, full_isl: bool | None = None) -> State:
+           max_waiting: int = 6, full_isl: bool | None = None,
+           asyn: bool | None = False) -> State:
     """A consistent engine state; ``kv`` is ``tight`` (0..40 blocks beyond those held),
     ``ample`` (no preemption can happen) or ``any``; ``full_isl`` fixes
-    ``scheduler_reserve_full_isl`` (and then no watermark), else both are drawn."""
+    ``scheduler_reserve_full_isl`` (and then no watermark), else both are drawn; ``asyn``
+    fixes ``async_scheduling`` (the invariants below state the synchronous loop; the
+    asynchronous one is checked against vLLM by tests/e2e/test_scheduler_diff.py), None
+    draws it."""
     budget = draw(st.integers(4, 64))
     seqs = draw(st.integers(1, min(16, budget)))
     bs = draw(st.sampled_from([1, 2, 4, 16]))
@@ -172,6 +176,10 @@ def states(draw, kv: str = "any", snapshot: bool = False, max_running: int = 8,
     n_wait = draw(st.integers(0, max_waiting))
     running = tuple(Spec(f"r{i}", *draw(requests(max_len, k, snapshot)))
                     for i, k in enumerate(run_kinds))
+    asy = draw(st.booleans()) if asyn is None else asyn
+    if asy:  # some with their next token in flight: every token computed (vLLM's placeholder)
+        running = tuple(Spec(s.id, s.prompt, s.prompt + s.output, s.output, s.stop)
+                        if draw(st.booleans()) else s for s in running)
     waiting = tuple(Spec(f"w{i}", *draw(requests(max_len, "waiting", snapshot)))
                     for i in range(n_wait))
     held = sum(blocks_for(s.computed, bs) for s in running)
@@ -188,7 +196,8 @@ def states(draw, kv: str = "any", snapshot: bool = False, max_running: int = 8,
                           scheduler_reserve_full_isl=(draw(st.sampled_from([True, True, False]))
                                                       if full_isl is None else full_isl),
                           watermark=(draw(st.sampled_from([0.0, 0.0, 0.0, 0.02, 0.2]))
-                                     if full_isl is None else 0.0))
+                                     if full_isl is None else 0.0),
+                          async_scheduling=asy)
     time = draw(st.one_of(st.just(0.0), st.floats(0.0, 1000.0)))
     return State(cfg, draw(models), running, waiting, time)
 
@@ -665,7 +674,7 @@ probe_args = st.tuples(st.one_of(st.integers(1, 16), st.integers(1, 300)), st.in
 
 
 @props(250)
-@given(states(kv="any", snapshot=True, max_running=16, max_waiting=8), probe_args)
+@given(states(kv="any", snapshot=True, max_running=16, max_waiting=8, asyn=None), probe_args)
 # A TTFT of 8e-9 s on a clock at 256 s: the forecaster and the loop differ by an ulp of the
 # clock (5.7e-14 s), 7e-6 relative: see clock_slack.
 @example(State(SchedulerConfig(4, 2, 24, 1, AMPLE_BLOCKS, 0), Paper4(1e-9, 1e-9, 0.0625, 1e-9),
@@ -688,7 +697,7 @@ def test_fast_paths_equal_the_oracle_on_shared_random_snapshots(rng, probe) -> N
 
 
 @props(40)
-@given(states(kv="any", snapshot=True, max_running=16, max_waiting=8),
+@given(states(kv="any", snapshot=True, max_running=16, max_waiting=8, asyn=None),
        st.lists(st.one_of(st.integers(1, 16), st.integers(1, 300)), min_size=1, max_size=25))
 def test_one_forecaster_many_probes(state: State, probes: list[int]) -> None:
     """9. One :class:`Forecaster` answering many probes (any order, repeats) of one snapshot

@@ -175,8 +175,10 @@ def run_engine(case: Case) -> dict:
             continue
         assert rec is not None
         steps.append({"scheduled": [[rid, n] for rid, n in rec.scheduled],
-                      "preempted": list(rec.preempted), "first": list(rec.first_token),
-                      "finished": list(rec.finished)})
+                      "preempted": list(rec.preempted), "first": [], "finished": []})
+        made = steps[k if rec.outputs_of is None else k - 1]  # async: the previous step's
+        made["first"] += rec.first_token
+        made["finished"] += rec.finished
     while steps and not any(steps[-1].values()):
         steps.pop()
     return {"name": case.get("name", ""), "steps": steps, "end": end}

@@ -17,7 +17,7 @@ from .scheduler_diff import cases, compare, preemptions, run_engine, run_vllm, t
 
 SEED = 0
 RANDOM_CASES = 360
-MODES = ["sync"]
+MODES = ["sync", "async"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -8,7 +8,8 @@ The driver task sleeps while the engine is idle. A submitted request joins the e
 queue at once — the engine reads the queue only when a step starts, so it is admitted at the
 next step boundary, as in vLLM. Each step is computed when it starts (``Engine.step``); the
 driver then sleeps until the step's end and only then releases what it produced: first tokens,
-one more token for every decoding request, finishes. If the loop wakes more than
+one more token for every decoding request, finishes (with asynchronous scheduling a step
+applies the previous step's outputs, which are due when it starts: they are released then). If the loop wakes more than
 ``MAX_LAG_S`` late (a stalled process) the engine's clock jumps to the present, so the lag
 shows as latency, as a late CPU would on a real server; smaller jitter is absorbed (the next
 sleep is shorter), so the emulator keeps the model's pace on average.
@@ -260,11 +261,15 @@ class Emulator:
                 continue
             if ev is None:
                 continue
-            # always yield (sleep(0) when late): the step loop must never starve the server
-            await asyncio.sleep(max(0.0, ev.end - clock()))
             if ev.preempted:
                 self.m_preempt.inc(ev.preempted)
-            self._release(ev.end, ev.tokens, ev.first_token, ev.finished)
+            early = ev.outputs_at < ev.end  # asynchronous: the last step's outputs, due now
+            if early:
+                self._release(ev.outputs_at, ev.tokens, ev.first_token, ev.finished)
+            # always yield (sleep(0) when late): the step loop must never starve the server
+            await asyncio.sleep(max(0.0, ev.end - clock()))
+            if not early:
+                self._release(ev.end, ev.tokens, ev.first_token, ev.finished)
 
     def _release(self, t: float, tokens: list[str], first: list[str],
                  finished: list[str]) -> None:

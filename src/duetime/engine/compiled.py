@@ -20,6 +20,7 @@ Every read is public and read-only (:meth:`request`, :meth:`lookup`, :meth:`hist
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take, stuck_reaso
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 
+ASYNC_COLUMNS = [kn.PEND, kn.INF, kn.NINF, kn.STALE]  # what an observation settles
 COMPACT_AT = 4096  # without retained history: reclaim finished rows past this many rows
 
 
@@ -51,6 +53,9 @@ class StepEvents:
     preempted: int = 0
     _made: np.ndarray | None = field(default=None, repr=False)
     _ids: list[str] | None = field(default=None, repr=False)
+    # when the outputs listed (first_token, finished, tokens) were made: the step's end; with
+    # asynchronous scheduling they are the previous step's, made at this step's start
+    outputs_at: float = math.nan
 
     @property
     def tokens(self) -> list[str]:
@@ -283,7 +288,9 @@ class Engine:
             r = len(self._ids)
         self._ids.append(request_id)
         self._rows[request_id] = r
-        self._req[r] = (prompt_tokens, output_tokens, stop, 0, 0, 0)
+        self._req[r] = 0
+        self._req[r, kn.PROMPT], self._req[r, kn.OUTPUT], self._req[r, kn.STOP] = (
+            prompt_tokens, output_tokens, stop)
         self._pred[r] = stop if predicted_output_tokens is None else predicted_output_tokens
         self._arrival[r] = self._clock[0] if arrival is None else arrival
         n = self._wq.shape[0]
@@ -362,10 +369,11 @@ class Engine:
         made = None
         if tokens:  # in schedule order: running in order, then the admitted, FCFS
             made = rows[self._req[rows, kn.OUTPUT] > before]
-        return StepEvents(int(self._st[kn.K]) - 1, start, float(self._clock[0]), got,
+        end = float(self._clock[0])
+        return StepEvents(int(self._st[kn.K]) - 1, start, end, got,
                           [ids[r] for r in self._work[1, :out[5]].tolist()],
                           [ids[r] for r in self._work[0, :out[6]].tolist()], int(out[7]),
-                          made, ids)
+                          made, ids, start if self.config.async_scheduling else end)
 
     def _raise_if_stuck(self, code: int, row: int) -> None:
         if code == kn.STUCK:
@@ -464,6 +472,7 @@ class Engine:
         self._st[kn.FREE] -= kv_take(req, r, need)
         req[r, kn.COMP] = computed
         req[r, kn.OUTPUT] = output_tokens
+        req[r, ASYNC_COLUMNS] = 0  # settled: no token in flight
         if req[r, kn.STOP] <= output_tokens:
             req[r, kn.STOP] = output_tokens + 1
         if self._stamps[r, 0] != self._stamps[r, 0]:
@@ -501,6 +510,7 @@ class Engine:
         req[rows, HELD] = need
         req[rows, kn.COMP] = comp
         req[rows, kn.OUTPUT] = outs
+        req[np.ix_(rows, ASYNC_COLUMNS)] = 0  # settled: no token in flight
         req[rows, kn.STOP] = np.maximum(req[rows, kn.STOP], outs + 1)
         self._changed()
         return int(rows.size)
@@ -520,6 +530,7 @@ class Engine:
         req, ids = self._req, self._ids
 
         def table(rows: np.ndarray) -> RequestTable:
+            # (asynchronous scheduling: computed = prompt + output while a token is in flight)
             return RequestTable([ids[r] for r in rows.tolist()], req[rows, kn.PROMPT],
                                 req[rows, kn.COMP], req[rows, kn.OUTPUT], self._pred[rows],
                                 self._arrival[rows])

@@ -87,7 +87,8 @@ def config_array(cfg: SchedulerConfig) -> np.ndarray:
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
                      block_shift(cfg.block_size), cfg.watermark_blocks,
-                     int(cfg.scheduler_reserve_full_isl)], dtype=np.int64)
+                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling)],
+                    dtype=np.int64)
 
 
 @lru_cache(maxsize=256)
@@ -173,6 +174,9 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     stop = _check_probe(snapshot.config, prompt_tokens, predicted_output_tokens, until)
     prompt_tokens = int(prompt_tokens)
     pid = _probe_id(snapshot)
+    # asynchronous scheduling applies a step's outputs in the next step: count the steps up
+    # to the one that made the probe's token
+    late = int(snapshot.config.async_scheduling)
     t0 = 0.0  # replay on a clock relative to the snapshot: no rounding of large epoch times
     what = f"the probe's {until}"
     if reference or trace:
@@ -201,7 +205,7 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
                     steps.append(step)
         except EngineStuck as e:
             return Forecast(math.inf, eng.steps, steps, reason=str(e))
-        return Forecast(getattr(probe, attr) - t0, eng.steps, steps)
+        return Forecast(getattr(probe, attr) - t0, eng.steps - late, steps)
     state = _state(snapshot, sigma, (prompt_tokens, stop))
     code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
     st = state[4]
@@ -211,7 +215,8 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     if code != kn.REACHED:
         raise _kernel_error(code, max_steps, what)
     stamps = state[1]
-    return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0, int(st[kn.K]))
+    return Forecast(float(stamps[-1, 0 if until == "first_token" else 1]) - t0,
+                    int(st[kn.K]) - late)
 
 
 class Forecaster:
@@ -296,6 +301,8 @@ class Forecaster:
         if s is None:  # the base went idle first: the probe runs alone from then on
             return self._replay(p) if self._failed else self._alone(p, 0, 0.0)
 
+        if int(self._rec[s, 2]) & kn.NO_MODEL:
+            return self._replay(p)  # the probe would run the step's model alone
         # 2. Progress: the budget the base leaves after its running requests, step by step.
         rem = p - x0
         if rem == 0:

@@ -13,15 +13,19 @@ run as plain Python: correct, slow.
 
 Layout (all int64 unless noted; request ``r`` is an index):
 
-* ``req``: shape (N, 6): prompt, output, stop, computed, KV blocks held (the block ledger's
-  column, :mod:`duetime.engine.kv`: only its ``kv_*`` functions touch it), done flag;
+* ``req``: shape (N, 10): prompt, output, stop, computed, KV blocks held (the block ledger's
+  column, :mod:`duetime.engine.kv`: only its ``kv_*`` functions touch it), done flag, and for
+  asynchronous scheduling: placeholder tokens (``pending``), in flight in the previous step
+  (0 no, 1 yes, 2 and samples), the same for this step, stale flag;
 * ``stamps`` (float64, (N, 2)): first-token and finish time (NaN until stamped);
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
-* ``st``: step index, free blocks, run length, queue head, queue length; ``clock`` (float64[1]);
+* ``st``: step index, free blocks, run length, queue head, queue length, the livelock watch
+  (request, quiet since), rows in flight (async); ``clock`` (float64[1]);
 * ``cfg``: budget, chunk cap (the long-prefill threshold, or the budget), max_num_seqs,
   max_model_len, block size, usable blocks, log2(block size) or -1 (see
-  :mod:`duetime.engine.kv`), watermark blocks, full-sequence admission (0/1);
+  :mod:`duetime.engine.kv`), watermark blocks, full-sequence admission (0/1), asynchronous
+  scheduling (0/1);
 * ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
   order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
 """
@@ -35,14 +39,14 @@ from duetime.engine.kv import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv
 from duetime.engine.remaining import stop_length
 
 # req columns (HELD, 4, is the KV ledger's)
-PROMPT, OUTPUT, STOP, COMP, DONE = 0, 1, 2, 3, 5
-REQ_COLUMNS = 6
+PROMPT, OUTPUT, STOP, COMP, DONE, PEND, INF, NINF, STALE = 0, 1, 2, 3, 5, 6, 7, 8, 9
+REQ_COLUMNS = 10
 assert HELD == 4
-# st fields (LONE, QUIET: the livelock watch, see step())
-K, FREE, NRUN, WH, WC, LONE, QUIET = range(7)
-ST_SIZE = 7
+# st fields (LONE, QUIET: the livelock watch; NINFL: rows in flight; see step())
+K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL = range(8)
+ST_SIZE = 8
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
-BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ = range(9)
+BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC = range(10)
 
 # step() results (>= 0: number of requests scheduled)
 STUCK = -1      # nothing can be scheduled now and nothing changed (without arrivals: forever)
@@ -58,6 +62,7 @@ FINISHED = 4    # run_until: a request finished (asked to stop there)
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
 SEATS = 2       # running < max_num_seqs after admission
 PREEMPTED = 4
+NO_MODEL = 8    # nothing scheduled (asynchronously: a step that only applies outputs)
 
 
 @njit(cache=True, nogil=True)
@@ -65,7 +70,9 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
             sigma, time):  # pragma: no cover - jit
     """Replay state for a snapshot: running rows, then waiting rows, then one spare row (for a
     probe). Stop lengths come from the predictions (:func:`stop_length`); each running request
-    holds the blocks of its computed tokens.
+    holds the blocks of its computed tokens; one with all its tokens computed has its next
+    token in flight (asynchronous scheduling: the snapshot was taken between a step and the
+    application of its outputs).
 
     Returns (req, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests hold
     more blocks than the instance has.
@@ -77,11 +84,16 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
     run = np.zeros(n, dtype=np.int64)
     wq = np.zeros(n, dtype=np.int64)
     used = 0
+    ninfl = 0
     for i in range(n_run):
         req[i, PROMPT] = r_prompt[i]
         req[i, OUTPUT] = r_out[i]
         req[i, STOP] = stop_length(r_pred[i], r_out[i], sigma)
         req[i, COMP] = r_comp[i]
+        if r_comp[i] == r_prompt[i] + r_out[i]:  # (async) its next token is in flight
+            req[i, PEND] = 1
+            req[i, INF] = 2
+            ninfl += 1
         used += kv_take(req, i, kv_blocks(r_comp[i], bs, shift))
         run[i] = i
     for i in range(n_wait):
@@ -96,6 +108,7 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
     st[FREE] = num_blocks - used
     st[NRUN] = n_run
     st[WC] = n_wait
+    st[NINFL] = ninfl
     clock = np.full(1, time)
     return req, stamps, run, wq, st, clock
 
@@ -117,7 +130,9 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
     nothing was preempted, the waiting queue FCFS (phase 1). A scheduled request's tokens are
     counted in the batch features and applied at once: no later decision in the step reads it
     again (preemption victims come from the unscheduled tail); blocks of requests that finish
-    are freed at the step's end.
+    are freed at the step's end. With asynchronous scheduling the outputs applied are the
+    previous step's (stamped with its end, this step's start), after this step is scheduled
+    (see :meth:`duetime.engine.scheduler.ReferenceEngine.step`).
     """
     budget = cfg[BUDGET]
     bs = cfg[BS]
@@ -126,6 +141,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
     max_seqs = cfg[MAXSEQS]
     wm = cfg[WM]
     full = cfg[FULLSEQ]
+    asyn = cfg[ASYNC]
     n_q = wq.shape[0]
     free = st[FREE]
     nrun = st[NRUN]
@@ -148,6 +164,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
     preempted = 0
     phase = 0
     i = 0
+    t_start = clock[0]
     while True:
         if phase == 0:
             if i >= nrun or budget <= 0:
@@ -162,13 +179,22 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
                 break
             r = wq[wh]
         c = req[r, COMP]
-        length = req[r, PROMPT] + req[r, OUTPUT]
+        pend = req[r, PEND]
+        length = req[r, PROMPT] + req[r, OUTPUT] + pend
         n = length - c
         if n > cap:
             n = cap
         if n > budget:
             n = budget
         if phase == 0:
+            if pend > 0 and c + 2 - pend >= req[r, PROMPT] + req[r, STOP]:
+                i += 1  # (async) its token in flight is its last: no step beyond it
+                continue
+            if n > max_len - c - 1:
+                n = max_len - c - 1
+                if n <= 0:  # (async) its token in flight reaches max_model_len
+                    i += 1
+                    continue
             need = kv_need(req, r, c + n, bs, shift)
             ok = True
             while free < need:  # preempt the newest running request (maybe r itself)
@@ -176,25 +202,14 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
                 v = run[nrun]
                 free += kv_release(req, v)
                 req[v, COMP] = 0
+                req[v, PEND] = 0
+                req[v, STALE] = 1 if req[v, INF] > 0 else 0
                 wh = (wh - 1) % n_q
                 wq[wh] = v
                 wc += 1
                 preempted += 1
-                if v == r:  # alone and still too big: it waits, maybe for ever
+                if v == r:  # still too big with all after it preempted: it waits
                     ok = False
-                    if nrun == 0:
-                        # A livelock if it happened before with no output since: every
-                        # request waits with nothing computed, in the same order, with the
-                        # same outputs, so the steps since repeat for ever.
-                        if st[LONE] == r and st[QUIET] == 1:
-                            st[NRUN] = nrun
-                            st[WH] = wh
-                            st[WC] = wc
-                            st[FREE] = free
-                            out[4] = r
-                            return STUCK
-                        st[LONE] = r
-                        st[QUIET] = 1
                     break
             if not ok:
                 out[0] = budget
@@ -212,10 +227,10 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
         free -= kv_take(req, r, need)
         budget -= n
         ns += 1
-        # batch features, then apply
+        # batch features (a token in flight counts as the output it will be), then apply
         len_sum += length
         len_sq += length * length
-        if req[r, OUTPUT] >= 1 and length - c == 1:
+        if length - req[r, PROMPT] >= 1 and length - c == 1:
             n_dec += 1
             dec_ctx += c
         else:
@@ -224,15 +239,21 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
             pre_attn += n * c + n * (n + 1) // 2
         req[r, COMP] = c + n
         if c + n == length:
-            o = req[r, OUTPUT] + 1
-            req[r, OUTPUT] = o
-            st[QUIET] = 0
-            if o == 1:
-                first[nf] = r
-                nf += 1
-            if o >= req[r, STOP] or length + 1 >= max_len:
-                done[nd] = r
-                nd += 1
+            if asyn:
+                req[r, PEND] = pend + 1
+                req[r, NINF] = 2
+            else:
+                o = req[r, OUTPUT] + 1
+                req[r, OUTPUT] = o
+                st[QUIET] = 0
+                if o == 1:
+                    first[nf] = r
+                    nf += 1
+                if o >= req[r, STOP] or length + 1 >= max_len:
+                    done[nd] = r
+                    nd += 1
+        elif asyn:
+            req[r, NINF] = 1
     out[1] = budget
     out[2] = free
     flags = 0
@@ -242,32 +263,61 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
         flags |= SEATS
     if preempted > 0:
         flags |= PREEMPTED
+    if ns == 0:
+        flags |= NO_MODEL
     out[3] = flags
-    out[5] = nf
-    out[6] = nd
     out[7] = preempted
     st[NRUN] = nrun
     st[WH] = wh
     st[WC] = wc
-    if ns == 0 and preempted == 0:
+    if ns == 0 and preempted == 0 and st[NINFL] == 0:
         st[FREE] = free
         out[4] = wq[wh] if wc > 0 else -1
+        out[5] = 0
+        out[6] = 0
         return STUCK
     # duration: the batch-time model of the composition (exact integer features)
-    t_end = clock[0]
+    t_end = t_start
     if ns > 0:
         dur = (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
                + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
         if noise > 0.0:
             dur *= np.exp(noise * np.random.standard_normal() - 0.5 * noise * noise)
         t_end += dur
-    # stamps; finished requests leave at the step's end
+    if asyn:
+        # the previous step's outputs, then this step's rows are the ones in flight; they
+        # are all running now, or preempted this step (at the queue's front)
+        t_out = t_start
+        ninfl = 0
+        for j in range(nrun + preempted):
+            r = run[j] if j < nrun else wq[(wh + j - nrun) % n_q]
+            if req[r, INF] == 2 and req[r, DONE] == 0:
+                if req[r, STALE] == 0:
+                    req[r, PEND] -= 1
+                o = req[r, OUTPUT] + 1
+                req[r, OUTPUT] = o
+                st[QUIET] = 0
+                if o == 1:
+                    first[nf] = r
+                    nf += 1
+                if o >= req[r, STOP] or req[r, PROMPT] + o >= max_len:
+                    done[nd] = r
+                    nd += 1
+            req[r, STALE] = 0
+            req[r, INF] = req[r, NINF]
+            req[r, NINF] = 0
+            if req[r, INF] > 0:
+                ninfl += 1
+        st[NINFL] = ninfl
+    else:
+        t_out = t_end
+    # stamps; finished requests leave (running, or preempted with a stale last token)
     for j in range(nf):
-        stamps[first[j], 0] = t_end
+        stamps[first[j], 0] = t_out
     if nd > 0:
         for j in range(nd):
             r = done[j]
-            stamps[r, 1] = t_end
+            stamps[r, 1] = t_out
             free += kv_release(req, r)
             req[r, DONE] = 1
         m = 0
@@ -276,8 +326,34 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
             if req[r, DONE] == 0:
                 run[m] = r
                 m += 1
-        st[NRUN] = m
+        nrun = m
+        st[NRUN] = nrun
+        if preempted > 0:  # (async) from the queue's front
+            m = 0
+            for j in range(preempted - 1, -1, -1):
+                r = wq[(wh + j) % n_q]
+                if req[r, DONE] == 0:
+                    wq[(wh + preempted - 1 - m) % n_q] = r
+                    m += 1
+            # survivors are packed, in order, at the back of the front block
+            wh = (wh + preempted - m) % n_q
+            wc -= preempted - m
+            st[WH] = wh
+            st[WC] = wc
+    out[5] = nf
+    out[6] = nd
     st[FREE] = free
+    if preempted > 0 and ns == 0:
+        # Only preempted: the head preempted itself and nothing runs after this step
+        # (whoever was skipped has just finished). A livelock if this happened before with
+        # no output since: every request waits with nothing computed, in the same order, with
+        # the same outputs, so the steps since then repeat for ever.
+        lone = wq[wh]
+        if st[LONE] == lone and st[QUIET] == 1:
+            out[4] = lone
+            return STUCK
+        st[LONE] = lone
+        st[QUIET] = 1
     st[K] += 1
     clock[0] = t_end
     return ns
@@ -309,7 +385,8 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
     flags]``, ``rec_t[s]`` = its end time, and prefix sums ``cum[s + 1]`` (``cum[0]`` = 0) of
     y = min(cap, budget left after the running phase) — the tokens a probe at the tail of the
-    running order could get —, of y², of the steps with y > 0 and of the steps that preempted.
+    running order could get —, of y², of the steps with y > 0 and of the steps that preempted
+    or ran no model.
     ``room`` = [y summed from the first drained step on, 1 once drained, first drained step].
     Returns (code, recorded count, detail).
     """
@@ -336,7 +413,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
         cum[n_rec + 1, 0] = cum[n_rec, 0] + y
         cum[n_rec + 1, 1] = cum[n_rec, 1] + y * y
         cum[n_rec + 1, 2] = cum[n_rec, 2] + (1 if y > 0 else 0)
-        cum[n_rec + 1, 3] = cum[n_rec, 3] + (1 if out[3] & PREEMPTED else 0)
+        cum[n_rec + 1, 3] = cum[n_rec, 3] + (1 if out[3] & (PREEMPTED | NO_MODEL) else 0)
         if room[1] == 0 and out[3] & DRAINED:
             room[1] = 1
             room[2] = n_rec

@@ -7,12 +7,13 @@ class Request:
     """Mutable per-request state (see ``shared/reference/vllm-v1-scheduler.md``).
 
     ``prompt`` P, ``output`` O (tokens produced so far), ``stop`` T (the output length it stops
-    at: predicted in a forecast, true in a simulation), ``computed`` C, ``blocks`` B (KV blocks
-    held). ``first_token`` / ``finished`` are stamped with the end time of the step that made them.
+    at: predicted in a forecast, true in a simulation), ``computed`` C (with asynchronous
+    scheduling, tokens scheduled in a step whose output is not applied yet count), ``blocks``
+    B (KV blocks held). ``first_token`` / ``finished`` are stamped with the end time of the step that made them.
     """
 
     __slots__ = ("arrival", "blocks", "computed", "finished", "first_token", "id", "output",
-                 "prompt", "stop")
+                 "pending", "prompt", "stale", "stop")
 
     def __init__(self, id: str, prompt: int, stop: int, *, output: int = 0, computed: int = 0,
                  blocks: int = 0, arrival: float = 0.0) -> None:
@@ -25,6 +26,11 @@ class Request:
         self.arrival = arrival
         self.first_token: float | None = None
         self.finished: float | None = None
+        # asynchronous scheduling: tokens scheduled for sampling whose output is not applied
+        # yet (vLLM's num_output_placeholders), and whether the output in flight at a
+        # preemption is stale (applied, but not counted against ``pending``)
+        self.pending = 0
+        self.stale = False
 
     @property
     def num_tokens(self) -> int:

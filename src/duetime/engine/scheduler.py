@@ -38,6 +38,7 @@ class StepRecord:
     finished: list[str] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)  # requests that produced an output token
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # in schedule order
+    outputs_of: int | None = None  # async: the step whose outputs the three lists above are
 
     @property
     def duration(self) -> float:
@@ -63,6 +64,14 @@ class ReferenceEngine:
         self.running: list[Request] = list(running)
         self.waiting: deque[Request] = waiting if isinstance(waiting, deque) else deque(waiting)
         self.kv = KVLedger.of(config, free_blocks)
+        # async: the last step's requests and who samples; a running request with all its
+        # tokens computed has its next token in flight (a state taken between the two)
+        self._inflight: list[tuple[Request, bool]] = []
+        if config.async_scheduling:
+            for r in self.running:
+                if r.computed == r.prompt + r.output:
+                    r.pending = 1
+                    self._inflight.append((r, True))
         self._lone: Request | None = None  # the livelock watch (see step)
         self._quiet = False
         # False: a livelock goes on as in vLLM (a caller that will add requests later)
@@ -91,18 +100,29 @@ class ReferenceEngine:
 
     @property
     def idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and not self._inflight
 
     def step(self) -> StepRecord | None:
-        """Run one scheduler step; ``None`` when there is nothing to do."""
+        """Run one scheduler step; ``None`` when there is nothing to do.
+
+        With ``async_scheduling`` (vLLM's ``AsyncScheduler`` under the engine core's batch
+        queue of two) the step is scheduled before the previous step's output is applied:
+        a request that will sample counts a placeholder token (``pending``) and is scheduled
+        again on it; one whose in-flight token is its last is not; outputs of step k are
+        applied after step k+1 is scheduled, so a finishing request holds its seat and blocks
+        for one more schedule. Its record's ``first_token``, ``finished`` and ``tokens`` are
+        then those of the previous step (``outputs_of``), stamped with that step's end.
+        """
         if self.idle:
             return None
         cfg = self.config
         kv = self.kv
+        asyn = cfg.async_scheduling
         max_len = cfg.max_model_len
         budget = cfg.max_num_batched_tokens
         running = self.running
         waiting = self.waiting
+        inflight = {r.id for r, _ in self._inflight}
         # a lone request ignores the long-prefill threshold (nobody to starve)
         cap = cfg.chunk_cap if len(running) + len(waiting) > 1 else budget
         rec = StepRecord(self.steps, self.time, self.time)
@@ -112,7 +132,14 @@ class ReferenceEngine:
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            n = min(r.prompt + r.output - r.computed, cap, budget)
+            if r.pending and r.computed + 2 - r.pending >= r.prompt + r.stop:
+                i += 1  # its token in flight is its last: no step beyond it
+                continue
+            n = min(r.prompt + r.output + r.pending - r.computed, cap, budget,
+                    max_len - r.computed - 1)
+            if n <= 0:  # its token in flight reaches max_model_len
+                i += 1
+                continue
             target = r.computed + n
             need = kv.need(r, target)
             ok = True
@@ -120,17 +147,12 @@ class ReferenceEngine:
                 v = running.pop()
                 kv.free(v)
                 v.computed = 0
+                v.pending = 0
+                v.stale = v.id in inflight
                 waiting.appendleft(v)
                 rec.preempted.append(v.id)
-                if v is r:  # alone and still too big: it waits, maybe for ever
+                if v is r:  # still too big with all after it preempted: it waits
                     ok = False
-                    if not running:
-                        # A livelock if it happened before with no output since: every
-                        # request waits with nothing computed, in the same order, with the
-                        # same outputs, so the steps since repeat for ever.
-                        if self._lone is r and self._quiet and self.watch_livelock:
-                            raise EngineStuck(self._stuck_reason())
-                        self._lone, self._quiet = r, True
                     break
             if not ok:
                 break
@@ -145,6 +167,9 @@ class ReferenceEngine:
         if not rec.preempted:
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 r = waiting[0]
+                # (a stale output is applied before the next schedule: with a batch queue
+                # of two vLLM never has to skip a request for it)
+                assert not r.stale
                 length = r.prompt + r.output
                 n = min(length - r.computed, cap, budget)
                 need = kv.admit(r, min(length, max_len), r.computed + n, bool(running))
@@ -157,17 +182,19 @@ class ReferenceEngine:
                 rec.scheduled.append((r.id, n))
                 budget -= n
 
-        if not scheduled and not rec.preempted:
+        if not scheduled and not rec.preempted and not self._inflight:
             raise EngineStuck(self._stuck_reason())
 
-        # 3. Execute: the batch-time model of the composition (exact integer features).
+        # 3. Execute: the batch-time model of the composition (exact integer features; a
+        #    token in flight counts as the output it will be).
         n_dec = n_pre = pre_sq = pre_attn = dec_ctx = len_sum = len_sq = 0
         for r, n in scheduled:
             c = r.computed
-            length = r.prompt + r.output
+            out = r.output + r.pending
+            length = r.prompt + out
             len_sum += length
             len_sq += length * length
-            if r.output >= 1 and length - c == 1:
+            if out >= 1 and length - c == 1:
                 n_dec += 1
                 dec_ctx += c
                 rec.decode.append(r.id)
@@ -181,27 +208,60 @@ class ReferenceEngine:
                                                len_sum, len_sq) if scheduled else 0.0)
         rec.end = end
 
-        # 4. Apply at the step's end.
-        done = False
-        for r, n in scheduled:
-            r.computed += n
-            if r.computed == r.prompt + r.output:
-                r.output += 1
-                self._quiet = False
-                rec.tokens.append(r.id)
-                if r.output == 1:
-                    r.first_token = end
-                    rec.first_token.append(r.id)
-                if r.output >= r.stop or r.prompt + r.output >= max_len:
-                    r.finished = end
-                    kv.free(r)
-                    rec.finished.append(r.id)
-                    done = True
-        if done:
-            self.running = [r for r in running if r.finished is None]
+        # 4. Apply: at the step's end; asynchronously, the previous step's outputs now.
+        if not asyn:
+            for r, n in scheduled:
+                r.computed += n
+                if r.computed == r.prompt + r.output:
+                    self._sampled(r, end, rec)
+        else:
+            rec.outputs_of = self.steps - 1
+            sampling = []
+            for r, n in scheduled:
+                r.computed += n
+                samples = r.computed >= r.prompt + r.output + r.pending
+                if samples:
+                    r.pending += 1
+                sampling.append((r, samples))
+            for r, samples in self._inflight:
+                if r.finished is not None:
+                    continue
+                stale, r.stale = r.stale, False
+                if samples:
+                    if not stale:
+                        r.pending -= 1
+                    self._sampled(r, self.time, rec)
+            self._inflight = sampling
+        if rec.finished:
+            self.running = [r for r in self.running if r.finished is None]
+            if len(self.waiting) and any(r.finished is not None for r in self.waiting):
+                self.waiting = deque(r for r in self.waiting if r.finished is None)
+        if rec.preempted and not scheduled:
+            # Only preempted: the head preempted itself and nothing runs after this step
+            # (whoever was skipped has just finished). A livelock if this happened before
+            # with no output since: every request waits with nothing computed, in the same
+            # order, with the same outputs, so the steps since then repeat for ever.
+            assert not self.running
+            lone = self.waiting[0]
+            if self._lone is lone and self._quiet and self.watch_livelock:
+                raise EngineStuck(self._stuck_reason())
+            self._lone, self._quiet = lone, True
         self.time = end
         self.steps += 1
         return rec
+
+    def _sampled(self, r: Request, t: float, rec: StepRecord) -> None:
+        """``r`` gets an output token at time ``t``; it may finish (its blocks go back)."""
+        r.output += 1
+        self._quiet = False
+        rec.tokens.append(r.id)
+        if r.output == 1:
+            r.first_token = t
+            rec.first_token.append(r.id)
+        if r.output >= r.stop or r.prompt + r.output >= self.config.max_model_len:
+            r.finished = t
+            self.kv.free(r)
+            rec.finished.append(r.id)
 
     def _stuck_reason(self) -> str:
         head = self.waiting[0] if self.waiting else None

@@ -246,7 +246,12 @@ class Snapshot:
             first(where, total >= cfg.max_model_len, "",
                   lambda i, tot=total: f"prompt_tokens + output_tokens = {tot[i]} reaches "
                   f"max_model_len {cfg.max_model_len} (such a request has finished)")
-            if where == "running":
+            if where == "running" and cfg.async_scheduling:
+                first(where, tab.computed > total, ".computed_tokens",
+                      lambda i, t=tab, tot=total: f"{t.computed[i]} must be at most "
+                      f"prompt_tokens + output_tokens = {tot[i]} (equal while its next token "
+                      "is in flight, with asynchronous scheduling)")
+            elif where == "running":
                 first(where, tab.computed >= total, ".computed_tokens",
                       lambda i, t=tab, tot=total: f"{t.computed[i]} must be below prompt_tokens "
                       f"+ output_tokens = {tot[i]} (the last token is computed in the next step)")

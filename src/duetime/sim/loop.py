@@ -41,7 +41,8 @@ def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]]
             dispatch(t, item)
             continue
         step = min(busy, key=lambda i: i.engine.time).engine.step()
+        # (asynchronous scheduling: the outputs are the previous step's, made at this start)
         for rid in step.finished if step else ():
-            for item in finished(rid, step.end):
-                heapq.heappush(heap, (step.end, seq, item))
+            for item in finished(rid, step.outputs_at):
+                heapq.heappush(heap, (step.outputs_at, seq, item))
                 seq += 1
