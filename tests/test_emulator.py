@@ -378,3 +378,36 @@ def test_token_estimate_is_documented_rule():
     parts = [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {}}]
     assert chat_tokens([{"role": "user", "content": parts}]) == 3 + 4 + 1
     assert math.isclose(text_tokens("x" * 4000), 1000)
+
+
+def test_a_request_that_cannot_fit_the_kv_cache_is_refused_not_queued():
+    """A request whose whole sequence (up to max_tokens; without it, up to max_model_len, as
+    vLLM defaults) needs more KV blocks than the instance has would block the queue for ever:
+    vLLM's 400 instead. One that fits is served."""
+    from duetime.emulator import Emulator
+    from duetime.engine import Paper4, SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=4096,
+                          block_size=16, num_gpu_blocks=65)  # 64 usable blocks: 1024 tokens
+    emu = Emulator(Paper4(b0=1e-3, b1=1e-6, b2=0.0, b3=0.0), cfg, model_name="small-cache")
+
+    async def go():
+        server = await serve(emu)
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+                out = []
+                for body in ({"prompt": [7] * 900, "max_tokens": 200},
+                             {"prompt": [7] * 10},
+                             {"prompt": [7] * 900, "max_tokens": 125, "ignore_eos": True}):
+                    r = await c.post("/v1/completions", json=body)
+                    out.append((r.status_code, r.json()))
+                return out
+        finally:
+            await server.stop()
+
+    (s1, b1), (s2, b2), (s3, b3) = run(go())
+    assert s1 == 400 and "1099 tokens of KV cache" in b1["error"]["message"]
+    assert "1024" in b1["error"]["message"]
+    assert s2 == 400 and "KV cache" in b2["error"]["message"]  # up to max_model_len
+    assert s3 == 200 and b3["usage"]["completion_tokens"] == 125  # 1024 tokens: exactly fits
+    assert emu.engine.idle

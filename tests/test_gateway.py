@@ -397,14 +397,56 @@ def test_bad_requests_get_openai_errors(body, headers, status, param):
 
 
 def test_upstream_client_error_is_relayed():
+    """The pool believes b is a qwen3-0.6b (max_model_len 131072); the server behind its url
+    holds 4096 tokens and refuses the request itself: its 400 reaches the client."""
+    from duetime.emulator import Emulator, create_app
+    from duetime.engine import Paper4, SchedulerConfig
+    from duetime.serving.server import AppServer
+
     async def go():
-        async with gateway(config()) as (_svc, c):
-            return await c.post("/v1/completions", json={
-                "model": "small", "prompt": [1] * 131000, "max_tokens": 2000})
+        small = Emulator(Paper4(b0=1e-3, b1=1e-6, b2=0.0, b3=0.0),
+                         SchedulerConfig(max_model_len=4096, num_gpu_blocks=1000),
+                         model_name="small")
+        upstream = await AppServer(create_app(small)).start()
+        try:
+            cfg = config(b={"url": upstream.url, "emulate": None})
+            async with gateway(cfg) as (_svc, c):
+                return await c.post("/v1/completions", json={
+                    "model": "small", "prompt": [1] * 5000, "max_tokens": 2000})
+        finally:
+            await upstream.stop()
 
     r = run(go())
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.headers["x-duetime-instance"] == "b"
+    assert "4096" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("model", "max_tokens", "routed"), [
+    ("auto", 20, "b"),          # fits b
+    ("auto", 2000, "a"),        # b's cache is too small for it: a serves it, not b's queue
+    ("small", 2000, None),      # only b serves "small": 400 from the gateway, nothing sent
+    ("auto", 200000, None),     # beyond every max_model_len
+])
+def test_a_request_goes_only_where_it_can_ever_fit(model, max_tokens, routed):
+    async def go():
+        # b: 64 usable blocks of 16 tokens (1,024 tokens of KV cache, max_model_len 4096)
+        # ... and b is the better choice wherever it fits
+        cfg = config(b={"config": {"max_model_len": 4096, "num_gpu_blocks": 65}},
+                     quality={"workload": None, "tasks": {"chat": {"big": 0.5, "small": 0.9}}})
+        async with gateway(cfg) as (_svc, c):
+            return await c.post("/v1/completions", json={
+                "model": model, "prompt": [1] * 500, "max_tokens": max_tokens})
+
+    r = run(go())
+    if routed is None:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert "x-duetime-instance" not in r.headers
+    else:
+        assert r.status_code == 200, r.text
+        assert r.headers["x-duetime-instance"] == routed
 
 
 # -- disconnects and shutdown -------------------------------------------------------------------

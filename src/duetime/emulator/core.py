@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from duetime.engine import BatchTimeModel, Engine, EngineStuck, SchedulerConfig, Snapshot
-from duetime.engine.kv import blocks_for
 from duetime.engine.warmup import warm_up
 
 log = logging.getLogger("duetime.emulator")
@@ -169,18 +168,9 @@ class Emulator:
         return stop, reason
 
     def check(self, prompt_tokens: int, max_tokens: int | None) -> str | None:
-        """Why a request cannot be served (vLLM's 400), or None."""
-        limit = self.config.max_model_len
-        need = prompt_tokens + (max_tokens or 1)
-        if need > limit:
-            return (f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {need} tokens ({prompt_tokens} in the messages, "
-                    f"{max_tokens or 1} in the completion). Please reduce the length of the "
-                    "messages or completion.")
-        if blocks_for(need, self.config.block_size) > self.config.usable_blocks:
-            return (f"the request needs {need} tokens of KV cache; the instance holds "
-                    f"{self.config.kv_capacity_tokens}")
-        return None
+        """Why a request cannot be served (vLLM's 400), or None (see
+        :meth:`SchedulerConfig.refusal`)."""
+        return self.config.refusal(prompt_tokens, max_tokens)
 
     def draw_fault(self) -> str | None:
         f = self.faults

@@ -73,5 +73,28 @@ class SchedulerConfig:
     def kv_capacity_tokens(self) -> int:
         return self.usable_blocks * self.block_size
 
+    def refusal(self, prompt_tokens: int, max_tokens: int | None) -> str | None:
+        """Why this instance can never serve a request (vLLM's 400), or None: it does not fit
+        ``max_model_len``, or its whole sequence — up to ``max_tokens``, by default up to
+        ``max_model_len`` as in vLLM — needs more KV blocks than the instance has (it would
+        block the queue for ever; vLLM refuses to start when ``max_model_len`` does not fit
+        its cache)."""
+        limit = self.max_model_len
+        need = prompt_tokens + (max_tokens or 1)
+        if need > limit:
+            return (f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {need} tokens ({prompt_tokens} in the messages, "
+                    f"{max_tokens or 1} in the completion). Please reduce the length of the "
+                    "messages or completion.")
+        out = max_tokens if max_tokens is not None else limit - prompt_tokens
+        kv = prompt_tokens + out - 1  # the last token is sampled, never stored
+        if -(-kv // self.block_size) > self.usable_blocks:
+            return (f"This request needs {kv} tokens of KV cache ({prompt_tokens} in the "
+                    f"messages, up to {out} in the completion), more than the instance's "
+                    f"{self.kv_capacity_tokens} ({self.usable_blocks} blocks of "
+                    f"{self.block_size}). Please reduce the length of the messages or "
+                    "completion.")
+        return None
+
     def to_dict(self) -> dict[str, int | float | bool]:
         return asdict(self)

@@ -101,7 +101,8 @@ class Gateway:
             router = self.router
             req.prompt_tokens = router.count_tokens(req)
             ctl = router.controls(scope, req.prompt_tokens)
-            insts = router.candidates(req.model)
+            insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,
+                                      param="messages" if chat else "prompt")
             status = await router.route(req, ctl, insts, chat, send, t0)
         except ApiError as e:
             status = e.status

@@ -101,16 +101,31 @@ class Router:
                            code="invalid_header")
         return Controls(target_ms / 1000.0, attempted, session or None, task)
 
-    def candidates(self, model: str | None) -> list[InstanceState]:
-        """The instances a request for ``model`` may go to (an alias: all; 404 if unknown)."""
+    def candidates(self, model: str | None, prompt_tokens: int, max_tokens: int | None, *,
+                   param: str = "messages") -> list[InstanceState]:
+        """The instances a request for ``model`` may go to (an alias: all; 404 if unknown)
+        that can hold it (:meth:`SchedulerConfig.refusal`: within ``max_model_len`` and, up
+        to ``max_tokens``, within the KV cache; else it would block that instance's queue for
+        good). None can: 400, with the reason of the one with the largest cache."""
         if model is None or model in self.pool.aliases:
-            return self.instances
-        insts = self.by_model.get(model)
-        if insts is None:
-            raise ApiError(404, f"The model `{model}` does not exist. Models: "
-                           f"{', '.join([*self.pool.aliases, *self.by_model])}",
-                           param="model", code="model_not_found")
-        return insts
+            insts = self.instances
+        else:
+            found = self.by_model.get(model)
+            if found is None:
+                raise ApiError(404, f"The model `{model}` does not exist. Models: "
+                               f"{', '.join([*self.pool.aliases, *self.by_model])}",
+                               param="model", code="model_not_found")
+            insts = found
+        fit = [s for s in insts if s.instance.config.refusal(prompt_tokens, max_tokens) is None]
+        if not fit:
+            big = max(insts, key=lambda s: (s.instance.config.kv_capacity_tokens,
+                                            s.instance.config.max_model_len))
+            why = big.instance.config.refusal(prompt_tokens, max_tokens)
+            where = f"instance {big.name}" if len(insts) == 1 else (
+                f"any of the {len(insts)} instances (the largest, {big.name})")
+            raise ApiError(400, f"{why} ({where})", param=param,
+                           code="context_length_exceeded")
+        return fit
 
     def count_tokens(self, req: CompletionRequest) -> int:
         """Prompt tokens: with the pool's tokenizer, a completion's prompt exactly (token ids
@@ -174,7 +189,8 @@ class Router:
         while True:
             cands = [s for s in insts if s.healthy and s.name not in tried]
             if not cands or attempt > pool.retries:
-                what = "any model" if insts is self.instances else f"model `{insts[0].model}`"
+                what = ("any model" if req.model is None or req.model in pool.aliases
+                        else f"model `{req.model}`")
                 if not errors:
                     raise ApiError(503, f"no healthy instance serves {what}",
                                    code="no_healthy_instance")
