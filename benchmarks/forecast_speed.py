@@ -55,7 +55,7 @@ def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int
                                 n_waiting=n_waiting, config=cfg).to_dict()
         held = sum(-(-r["computed_tokens"] // 16) for r in d["running"])
         d["config"]["num_gpu_blocks"] = (int(held * kv_factor) + 16 if kv_factor
-                                         else max(100_000, held))
+                                         else max(100_000, held + 1))  # + the null block
         t = time.perf_counter()
         snap = Snapshot.from_dict(d)
         rows["from_dict"].append(time.perf_counter() - t)

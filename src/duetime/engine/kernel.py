@@ -162,6 +162,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
     len_sq = 0
     ns = 0
     preempted = 0
+    made = False  # an output token was applied (the livelock watch)
     phase = 0
     i = 0
     t_start = clock[0]
@@ -179,7 +180,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
                 break
             r = wq[wh]
         c = req[r, COMP]
-        pend = req[r, PEND]
+        pend = req[r, PEND] if asyn else 0
         length = req[r, PROMPT] + req[r, OUTPUT] + pend
         n = length - c
         if n > cap:
@@ -187,14 +188,13 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
         if n > budget:
             n = budget
         if phase == 0:
-            if pend > 0 and c + 2 - pend >= req[r, PROMPT] + req[r, STOP]:
-                i += 1  # (async) its token in flight is its last: no step beyond it
+            # (synchronously a chunk never reaches past max_model_len - 1: no need to cap)
+            if asyn and (pend > 0 and c + 2 - pend >= req[r, PROMPT] + req[r, STOP]
+                         or max_len - c - 1 <= 0):
+                i += 1  # its token in flight is its last, or reaches max_model_len
                 continue
-            if n > max_len - c - 1:
+            if asyn and n > max_len - c - 1:
                 n = max_len - c - 1
-                if n <= 0:  # (async) its token in flight reaches max_model_len
-                    i += 1
-                    continue
             need = kv_need(req, r, c + n, bs, shift)
             ok = True
             while free < need:  # preempt the newest running request (maybe r itself)
@@ -230,7 +230,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
         # batch features (a token in flight counts as the output it will be), then apply
         len_sum += length
         len_sq += length * length
-        if length - req[r, PROMPT] >= 1 and length - c == 1:
+        if length - c == 1 and req[r, OUTPUT] + pend >= 1:
             n_dec += 1
             dec_ctx += c
         else:
@@ -245,7 +245,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
             else:
                 o = req[r, OUTPUT] + 1
                 req[r, OUTPUT] = o
-                st[QUIET] = 0
+                made = True
                 if o == 1:
                     first[nf] = r
                     nf += 1
@@ -296,7 +296,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
                     req[r, PEND] -= 1
                 o = req[r, OUTPUT] + 1
                 req[r, OUTPUT] = o
-                st[QUIET] = 0
+                made = True
                 if o == 1:
                     first[nf] = r
                     nf += 1
@@ -343,6 +343,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
     out[5] = nf
     out[6] = nd
     st[FREE] = free
+    if made:
+        st[QUIET] = 0
     if preempted > 0 and ns == 0:
         # Only preempted: the head preempted itself and nothing runs after this step
         # (whoever was skipped has just finished). A livelock if this happened before with
