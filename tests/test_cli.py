@@ -322,3 +322,21 @@ def test_bad_forecast_request(capsys, tmp_path, probe, fragment):
     path.write_text(json.dumps(dict(SNAPSHOT, probe=probe)))
     code, out, err = run(capsys, "forecast", str(path))
     assert_one_line_error(code, out, err, fragment)
+
+
+def test_forecast_behind_a_request_that_never_fits_is_null_with_the_reason(capsys, tmp_path):
+    """A waiting prompt larger than the whole KV cache blocks the queue for good (vLLM's
+    full-sequence admission): the probe behind it never gets a first token."""
+    d = {"version": 1, "time": 0.0,
+         "config": {"max_num_batched_tokens": 512, "max_num_seqs": 8, "max_model_len": 4096,
+                    "block_size": 16, "num_gpu_blocks": 9},
+         "batch_time": {"model": "paper4",
+                        "coefficients": {"b0": 0.004, "b1": 2e-5, "b2": 5e-8, "b3": 1e-9}},
+         "running": [],
+         "waiting": [{"id": "big", "prompt_tokens": 200, "predicted_output_tokens": 5}]}
+    p = tmp_path / "snap.json"
+    p.write_text(json.dumps(d))
+    assert main(["forecast", str(p), "--prompt-tokens", "10"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["estimate_s"] is None
+    assert "'big' can never be admitted" in out["reason"] and "8" in out["reason"]
