@@ -16,7 +16,7 @@ Medians over snapshots (and probes); ``p90`` of ``first`` shows the spread. The 
 first <= 100 us and further <= 10 us on 200 running / 20 waiting; the released SFS C++
 simulator takes ~1e-4 s per forecast.
 
-    python benchmarks/forecast_speed.py [--snapshots N] [--quick]
+    python benchmarks/forecast_speed.py [--snapshots N] [--quick] [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def _p90(samples: list[float]) -> float:
 
 
 def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int,
-            kv_factor: float | None = None) -> dict:
+            kv_factor: float | None = None, asynchronous: bool = False) -> dict:
     """``kv_factor``: size the KV cache at this multiple of what the running requests hold
-    (tight caches make the replay preempt), instead of 100000 blocks."""
+    (tight caches make the replay preempt), instead of 100000 blocks. ``asynchronous``:
+    vLLM's asynchronous scheduling (the GPU default)."""
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max(256, n_running + 1),
-                          max_model_len=131072, block_size=16, num_gpu_blocks=10_000_000)
+                          max_model_len=131072, block_size=16, num_gpu_blocks=10_000_000,
+                          async_scheduling=asynchronous)
     rows: dict[str, list[float]] = {k: [] for k in
                                     ("from_dict", "first", "further", "kernel", "oracle")}
     steps = []
@@ -80,6 +82,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--snapshots", type=int, default=30, help="snapshots per setting")
     ap.add_argument("--quick", action="store_true", help="fewer settings and snapshots")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="snapshots of instances that schedule asynchronously (vLLM on GPUs)")
     args = ap.parse_args()
     n = 8 if args.quick else args.snapshots
 
@@ -103,7 +107,7 @@ def main() -> None:
     print("-" * len(head))
     gc.collect()
     for model, budget, r, w, kv in settings:
-        got = measure(model, budget, r, w, n, kv)
+        got = measure(model, budget, r, w, n, kv, args.async_scheduling)
         rows = got["rows"]
         first = _us(rows["first"])
         kv_label = f"x{kv:g}" if kv else "100k"
