@@ -3,14 +3,16 @@
 ``cases(seed, n)`` makes seeded random cases (budgets, sequence caps, thresholds, tight and ample
 KV, arrivals over time); ``targeted()`` adds one case per rule. ``run_vllm`` feeds them to
 ``vllm_scheduler.py`` in the vLLM venv; ``run_engine`` replays them with duetime's reference
-loop under the same step protocol; ``compare`` says, per case, whether every step agrees
-(scheduled tokens per request in order, preemption victims in order, first tokens, finishes,
-and how the run ended) and where they first differ.
+loop under the same step protocol (asynchronously, a step's first tokens and finishes are
+filed under the step that made them, as the runner files vLLM's); ``compare`` says, per case,
+whether every step agrees (scheduled tokens per request in order, preemption victims in order,
+first tokens, finishes, and how the run ended) and where they first differ. A livelock (the
+head preempting itself twice with no output in between) ends a run as "stuck" on both sides.
 
 As a script it prints the agreement counts (the vLLM venv's python is found as in the e2e
 suite: ``DUETIME_VLLM_PYTHON`` or ``.venv-vllm/bin/python``)::
 
-    python tests/e2e/scheduler_diff.py [--cases 360] [--seed 0] [--show 3]
+    python tests/e2e/scheduler_diff.py [--cases 360] [--seed 0] [--show 3] [--modes sync,async]
 """
 
 from __future__ import annotations
