@@ -23,6 +23,9 @@ the engine core's batch queue of two). Requests arrive before the schedule numbe
 A result: ``{"name", "steps": [{"scheduled": [[id, tokens], ...], "preempted": [ids],
 "first": [ids], "finished": [ids]}], "end": "done" | "stuck" | "max_steps"}``. ``first`` and
 ``finished`` of step k are the requests whose first token, or last token, step k produced.
+"stuck": nothing was scheduled for several steps with nothing left to arrive, or a livelock —
+a step that only preempted, twice for the same request with no output token in between (the
+steps since then repeat for ever; that step is left out).
 """
 
 from __future__ import annotations
