@@ -189,7 +189,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
             n = budget
         if phase == 0:
             # (synchronously a chunk never reaches past max_model_len - 1: no need to cap)
-            if asyn and (pend > 0 and c + 2 - pend >= req[r, PROMPT] + req[r, STOP]
+            if asyn and ((pend > 0 and c + 2 - pend >= req[r, PROMPT] + req[r, STOP])
                          or max_len - c - 1 <= 0):
                 i += 1  # its token in flight is its last, or reaches max_model_len
                 continue
