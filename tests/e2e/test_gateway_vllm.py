@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from duetime.gateway import pool_from_dict
 from duetime.service import Service
 
+from .conftest import MAX_MODEL_LEN
 from .gateway_pool import instance_config, pool_config
 
 pytestmark = pytest.mark.e2e
@@ -547,11 +548,35 @@ def test_retry_on_a_dead_instance_then_eject_it(vllm_pool, servers):
 
 # -- 6. upstream 4xx ----------------------------------------------------------------------------------
 
-def test_upstream_4xx_is_relayed_and_not_retried(client, gateway, servers):
+def test_a_request_no_instance_can_hold_is_refused_by_the_gateway(client, gateway, servers):
+    """Beyond max_model_len: the gateway answers vLLM's status itself (it never routes a
+    request to an instance that cannot hold it), nothing goes upstream."""
     cases = [
         chat_body("hi", 5000),  # max_tokens > max_model_len
-        chat_body("hi", 5000, stream=True),
         completion_body(fresh_ids(2100), 4),  # a prompt longer than max_model_len
+    ]
+    for body in cases:
+        before = scrape(gateway.url)
+        r = client.post(path_of(body), json=body)
+        after = scrape(gateway.url)
+        err = assert_openai_error(r)
+        assert "x-duetime-instance" not in r.headers
+        assert err["code"] == "context_length_exceeded", err
+        assert str(MAX_MODEL_LEN) in err["message"]
+        with httpx.Client(timeout=TIMEOUT) as d:  # vLLM's own answer to the same request
+            want = d.post(servers["tiny-small"].base_url + path_of(body),
+                          json={**body, "model": "tiny-small"})
+        assert r.status_code == want.status_code == 400
+        assert sum(sample(after, "duetime_decisions_total", instance=i, model=m)
+                   - sample(before, "duetime_decisions_total", instance=i, model=m)
+                   for m, i in INSTANCE_OF.items()) == 0
+
+
+def test_upstream_4xx_is_relayed_and_not_retried(client, gateway, servers):
+    cases = [
+        chat_body("hi", 4, temperature=-1.0),  # vLLM's own validation
+        chat_body("hi", 4, temperature=-1.0, stream=True),
+        completion_body(fresh_ids(20), 4, top_p=2.0),
     ]
     for body in cases:
         before = scrape(gateway.url)
