@@ -122,7 +122,7 @@ class Router:
                                             s.instance.config.max_model_len))
             why = big.instance.config.refusal(prompt_tokens, max_tokens)
             where = f"instance {big.name}" if len(insts) == 1 else (
-                f"any of the {len(insts)} instances (the largest, {big.name})")
+                f"none of the {len(insts)} instances can hold it; the largest: {big.name}")
             raise ApiError(400, f"{why} ({where})", param=param,
                            code="context_length_exceeded")
         return fit
