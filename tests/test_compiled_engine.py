@@ -18,10 +18,13 @@ def _config(rng: random.Random) -> SchedulerConfig:
                            max_model_len=rng.choice([2048, 32768]),
                            block_size=rng.choice([1, 4, 10, 16]),
                            num_gpu_blocks=rng.choice([64, 400, 100_000]),
-                           long_prefill_token_threshold=rng.choice([0, 0, 8, 100]))
+                           long_prefill_token_threshold=rng.choice([0, 0, 8, 100]),
+                           scheduler_reserve_full_isl=rng.choice([True, True, False]),
+                           watermark=rng.choice([0.0, 0.0, 0.05]),
+                           async_scheduling=rng.random() < 0.5)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(80))
 def test_compiled_engine_matches_reference_step_for_step(seed: int) -> None:
     rng = random.Random(seed)
     cfg = _config(rng)
