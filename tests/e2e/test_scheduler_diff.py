@@ -37,3 +37,30 @@ def test_engine_schedules_as_vllm(vllm_python: Path, mode: str) -> None:
     ends = [w["end"] for w in wants]
     assert ends.count("stuck") >= 3 and ends.count("done") > len(batch) // 3
     assert not diffs, f"{len(diffs)} of {len(batch)} cases differ:\n" + "\n".join(diffs[:10])
+
+
+def test_the_vllm_runner_reports_prefix_cache_hits(vllm_python: Path) -> None:
+    """The harness half of prefix caching (the engine does not model it yet): with caching on,
+    vLLM's scheduler skips the cached full blocks of a shared prompt, capped below the
+    request's token count, and the runner reports those hits per admitted request."""
+    ids = list(range(100, 164))  # 64 tokens: 4 full blocks of 16
+    base = {"max_num_batched_tokens": 512, "max_num_seqs": 4, "max_model_len": 1024,
+            "block_size": 16, "num_gpu_blocks": 100, "long_prefill_token_threshold": 0}
+    reqs = [
+        {"id": "a", "prompt_tokens": 64, "prompt_ids": ids, "output_tokens": 2,
+         "arrival_step": 0},
+        {"id": "b", "prompt_tokens": 64, "prompt_ids": ids, "output_tokens": 2,
+         "arrival_step": 5},
+        {"id": "c", "prompt_tokens": 80, "prompt_ids": ids + list(range(500, 516)),
+         "output_tokens": 2, "arrival_step": 5},
+    ]
+    off, on = run_vllm(vllm_python, [
+        {"name": "off", "config": base, "requests": reqs, "max_steps": 100},
+        {"name": "on", "config": {**base, "enable_prefix_caching": True}, "requests": reqs,
+         "max_steps": 100}])
+    assert off["steps"][5]["scheduled"] == [["b", 64], ["c", 80]]
+    assert "hits" not in off["steps"][5]
+    # b: all 64 cached, but the last token is recomputed: 3 blocks hit; c: 4 blocks hit
+    assert on["steps"][5]["scheduled"] == [["b", 16], ["c", 16]]
+    assert on["steps"][5]["hits"] == [["b", 48], ["c", 64]]
+    assert all(not st["hits"] for k, st in enumerate(on["steps"]) if k != 5)

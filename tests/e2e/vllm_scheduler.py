@@ -9,8 +9,13 @@ A case::
 
     {"name": ..., "config": {"max_num_batched_tokens", "max_num_seqs", "max_model_len",
      "block_size", "num_gpu_blocks", "long_prefill_token_threshold", "async_scheduling",
-     "watermark", "scheduler_reserve_full_isl"},
-     "requests": [{"id", "prompt_tokens", "output_tokens", "arrival_step"}], "max_steps"}
+     "watermark", "scheduler_reserve_full_isl", "enable_prefix_caching"},
+     "requests": [{"id", "prompt_tokens", "output_tokens", "arrival_step", "prompt_ids"?}],
+     "max_steps"}
+
+Prompts are ``prompt_ids`` when given, else ``prompt_tokens`` copies of token 7. With
+``enable_prefix_caching`` the requests carry vLLM's block hasher (sha256) and every step also
+lists ``"hits": [[id, tokens], ...]``: the prefix-cache hits of the requests it admitted.
 
 Every request runs to exactly ``output_tokens`` output tokens (``ignore_eos``), unless
 ``max_model_len`` ends it first. A fake model output samples one token for each scheduled
@@ -41,6 +46,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 import torch
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -85,9 +92,10 @@ def make_scheduler(cfg: dict) -> Scheduler:
         enable_chunked_prefill=True, async_scheduling=asynchronous,
         watermark=cfg.get("watermark", 0.0),
         scheduler_reserve_full_isl=cfg.get("scheduler_reserve_full_isl", True))
+    caching = bool(cfg.get("enable_prefix_caching", False))
     vllm_config = VllmConfig(scheduler_config=sched_config, model_config=model_config,
                              cache_config=CacheConfig(block_size=bs,
-                                                      enable_prefix_caching=False))
+                                                      enable_prefix_caching=caching))
     # the CPU platform forces asynchronous scheduling off in the config: set it back
     vllm_config.scheduler_config.async_scheduling = asynchronous
     register_all_kvcache_specs(vllm_config)
@@ -96,16 +104,23 @@ def make_scheduler(cfg: dict) -> Scheduler:
         ["layer"], FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1,
                                      dtype=torch.float32))])
     vllm_config.cache_config.num_gpu_blocks = n
+    vllm_config.cache_config.enable_prefix_caching = caching
     cls = AsyncScheduler if asynchronous else Scheduler
     return cls(vllm_config=vllm_config, kv_cache_config=kv,
                structured_output_manager=StructuredOutputManager(vllm_config),
                block_size=bs, hash_block_size=bs, log_stats=False)
 
 
+HASH_FN = get_hash_fn_by_name("sha256")
+init_none_hash(HASH_FN)
+
+
 def run_case(case: dict) -> dict:
     cfg = case["config"]
     sched = make_scheduler(cfg)
     asynchronous = bool(cfg.get("async_scheduling", False))
+    caching = bool(cfg.get("enable_prefix_caching", False))
+    hasher = get_request_block_hasher(cfg.get("block_size", 16), HASH_FN) if caching else None
     victims: list[str] = []
     original = sched._preempt_request
 
@@ -138,10 +153,11 @@ def run_case(case: dict) -> dict:
 
     for k in range(case.get("max_steps", 5000)):
         for r in arrivals.get(k, ()):
-            req = Request(request_id=r["id"], prompt_token_ids=[7] * r["prompt_tokens"],
+            ids = r.get("prompt_ids") or [7] * r["prompt_tokens"]
+            req = Request(request_id=r["id"], prompt_token_ids=list(ids),
                           sampling_params=SamplingParams(max_tokens=r["output_tokens"],
                                                          ignore_eos=True, temperature=0.0),
-                          pooling_params=None, arrival_time=float(k))
+                          pooling_params=None, arrival_time=float(k), block_hasher=hasher)
             reqs[r["id"]] = req
             sched.add_request(req)
             lone = None
@@ -152,13 +168,20 @@ def run_case(case: dict) -> dict:
             if k > last_arrival:
                 end = "done"
                 break
-            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": []})
+            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": [],
+                          **({"hits": []} if caching else {})})
             continue
         victims.clear()
+        waiting = {rid for rid, q in reqs.items() if not q.is_finished()
+                   and q.num_computed_tokens == 0}
         out = sched.schedule()
         scheduled = list(out.num_scheduled_tokens.items())
         steps.append({"scheduled": [[rid, n] for rid, n in scheduled],
                       "preempted": list(victims), "first": [], "finished": []})
+        if caching:  # prefix-cache hits of the requests admitted in this step, in order
+            steps[-1]["hits"] = [[rid, reqs[rid].num_computed_tokens - n]
+                                 for rid, n in scheduled if rid in waiting
+                                 and reqs[rid].num_computed_tokens - n > 0]
         ids = [rid for rid, _ in scheduled]
         sampled = [[11] if not reqs[rid].is_prefill_chunk else [] for rid in ids]
         mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
