@@ -10,9 +10,9 @@ next step boundary, as in vLLM. Each step is computed when it starts (``Engine.s
 driver then sleeps until the step's end and only then releases what it produced: first tokens,
 one more token for every decoding request, finishes (with asynchronous scheduling a step
 applies the previous step's outputs, which are due when it starts: they are released then).
-If the loop wakes more than ``MAX_LAG_S`` late (a stalled process) the engine's clock jumps to the present, so the lag
-shows as latency, as a late CPU would on a real server; smaller jitter is absorbed (the next
-sleep is shorter), so the emulator keeps the model's pace on average.
+If the loop wakes more than ``MAX_LAG_S`` late (a stalled process) the engine's clock jumps to
+the present, so the lag shows as latency, as a late CPU would on a real server; smaller jitter
+is absorbed (the next sleep is shorter), so the emulator keeps the model's pace on average.
 """
 
 from __future__ import annotations
