@@ -27,8 +27,12 @@ from typing import Any
 
 from duetime.engine import EngineStuck, Paper4, ReferenceEngine, Request, SchedulerConfig
 
+try:  # the e2e suite's lookup of the vLLM venv
+    from .conftest import find_vllm_python
+except ImportError:  # run as a script
+    from conftest import find_vllm_python
+
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 RUNNER = HERE / "vllm_scheduler.py"
 MODEL = Paper4(b0=1e-3, b1=1e-5, b2=0.0, b3=0.0)  # durations play no part in the comparison
 
@@ -159,14 +163,6 @@ def targeted(*, asynchronous: bool = False) -> list[Case]:
 
 
 # -- the two sides ----------------------------------------------------------------------------------
-
-def find_vllm_python() -> Path | None:
-    env = os.environ.get("DUETIME_VLLM_PYTHON")
-    if env:
-        return Path(env)
-    default = REPO / ".venv-vllm" / "bin" / "python"
-    return default if default.exists() else None
-
 
 def run_vllm(python: Path, batch: list[Case], timeout_s: float = 900.0) -> list[dict]:
     """vLLM's results for the cases, in order (one subprocess for all of them)."""

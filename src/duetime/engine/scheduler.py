@@ -122,7 +122,7 @@ class ReferenceEngine:
         budget = cfg.max_num_batched_tokens
         running = self.running
         waiting = self.waiting
-        inflight = {r.id for r, _ in self._inflight}
+        inflight = {r.id for r, _ in self._inflight} if asyn else ()
         # a lone request ignores the long-prefill threshold (nobody to starve)
         cap = cfg.chunk_cap if len(running) + len(waiting) > 1 else budget
         rec = StepRecord(self.steps, self.time, self.time)
@@ -158,7 +158,6 @@ class ReferenceEngine:
                 break
             kv.take(r, need)
             scheduled.append((r, n))
-            rec.scheduled.append((r.id, n))
             budget -= n
             i += 1
 
@@ -179,9 +178,9 @@ class ReferenceEngine:
                 running.append(r)
                 kv.take(r, need)
                 scheduled.append((r, n))
-                rec.scheduled.append((r.id, n))
                 budget -= n
 
+        rec.scheduled = [(r.id, n) for r, n in scheduled]
         if not scheduled and not rec.preempted and not self._inflight:
             raise EngineStuck(self._stuck_reason())
 
