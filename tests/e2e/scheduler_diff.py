@@ -73,30 +73,38 @@ def cases(seed: int = 0, n: int = 360, *, asynchronous: bool = False) -> list[Ca
 
 def prefix_case(rng: random.Random, name: str, *, asynchronous: bool = False) -> Case:
     """Traffic that shares prefixes, for vLLM with prefix caching on: tenants with their own
-    system prompt, and multi-turn sessions (each turn's prompt is the conversation so far: the
-    previous prompt, its output tokens — the runner's sampled token 11 — and a new question)."""
-    bs = 16
-    budget = rng.choice([64, 256, 2048])
-    cfg = {"max_num_batched_tokens": budget, "max_num_seqs": min(budget, rng.choice([4, 8, 32])),
-           "max_model_len": 4096, "block_size": bs, "num_gpu_blocks": rng.choice([40, 120, 2000]),
-           "long_prefill_token_threshold": rng.choice([0, 0, 64]),
-           "scheduler_reserve_full_isl": True, "watermark": 0.0,
+    system prompt, multi-turn sessions (each turn's prompt is the conversation so far: the
+    previous prompt, its output tokens — the runner's sampled token 11 — and a new question),
+    repeated identical prompts, and KV from ample to so tight that cached blocks are evicted
+    and requests preempted."""
+    bs = rng.choice([16, 16, 8])
+    budget = rng.choice([32, 64, 256, 2048])
+    cfg = {"max_num_batched_tokens": budget, "max_num_seqs": min(budget, rng.choice([2, 4, 8, 32])),
+           "max_model_len": rng.choice([1024, 4096]), "block_size": bs,
+           "num_gpu_blocks": rng.choice([12, 24, 40, 120, 2000]) * 16 // bs,
+           "long_prefill_token_threshold": rng.choice([0, 0, 24, 64]),
+           "scheduler_reserve_full_isl": rng.choice([True, True, True, False]),
+           "watermark": rng.choice([0.0, 0.0, 0.05]),
            "async_scheduling": asynchronous, "enable_prefix_caching": True}
-    systems = [[rng.randint(1000, 30000) for _ in range(rng.choice([32, 100, 300]))]
+    systems = [[rng.randint(1000, 30000) for _ in range(rng.choice([20, 32, 100, 300]))]
                for _ in range(rng.randint(1, 3))]
     requests: list[dict[str, Any]] = []
-    for s in range(rng.randint(1, 4)):
+    cap = cfg["max_model_len"] - 40
+    for s in range(rng.randint(1, 5)):
         ids = list(rng.choice(systems))
         step = rng.randint(0, 10)
         for t in range(rng.randint(1, 4)):
-            ids = ids + [rng.randint(1000, 30000) for _ in range(rng.randint(5, 120))]
-            if len(ids) >= 3000:
+            if rng.random() < 0.15 and t:  # the same prompt again
+                ids = requests[-1]["prompt_ids"]
+            else:
+                ids = ids + [rng.randint(1000, 30000) for _ in range(rng.randint(1, 120))]
+            if len(ids) >= cap:
                 break
-            out = rng.randint(1, 30)
+            out = rng.randint(1, 40)
             requests.append({"id": f"s{s}t{t}", "prompt_tokens": len(ids), "prompt_ids": ids,
                              "output_tokens": out, "arrival_step": step})
             ids = ids + [11] * out
-            step += rng.randint(3, 60)
+            step += rng.choice([0, 1, 3, 10, 60])
     requests.sort(key=lambda r: r["arrival_step"])
     return {"name": name, "config": cfg, "requests": requests, "max_steps": 3000}
 
@@ -183,12 +191,28 @@ def engine_config(cfg: dict[str, Any]) -> SchedulerConfig:
                            long_prefill_token_threshold=cfg.get("long_prefill_token_threshold", 0),
                            scheduler_reserve_full_isl=cfg.get("scheduler_reserve_full_isl", True),
                            watermark=cfg.get("watermark", 0.0),
-                           async_scheduling=cfg.get("async_scheduling", False))
+                           async_scheduling=cfg.get("async_scheduling", False),
+                           enable_prefix_caching=cfg.get("enable_prefix_caching", False))
+
+
+def block_keys(request: dict[str, Any], block_size: int) -> list[int]:
+    """Chained keys of the full blocks of a request's whole sequence as the runner makes it
+    (its prompt, then ``output_tokens`` sampled tokens 11): equal exactly when vLLM's block
+    hashes are."""
+    ids = (request.get("prompt_ids") or [7] * request["prompt_tokens"]) + [11] * request[
+        "output_tokens"]
+    keys, parent = [], 0
+    for k in range(len(ids) // block_size):
+        parent = hash((parent, tuple(ids[k * block_size:(k + 1) * block_size])))
+        keys.append(parent)
+    return keys
 
 
 def run_engine(case: Case) -> dict:
     """duetime's reference loop on the case, step by step as the vLLM runner steps."""
-    eng = ReferenceEngine(engine_config(case["config"]), MODEL)
+    cfg = engine_config(case["config"])
+    eng = ReferenceEngine(cfg, MODEL)
+    caching = cfg.enable_prefix_caching
     arrivals: dict[int, list[dict]] = {}
     for r in case["requests"]:
         arrivals.setdefault(r["arrival_step"], []).append(r)
@@ -197,13 +221,15 @@ def run_engine(case: Case) -> dict:
     end = "max_steps"
     for k in range(case.get("max_steps", 5000)):
         for r in arrivals.get(k, ()):
-            eng.add(Request(r["id"], r["prompt_tokens"], r["output_tokens"]))
+            eng.add(Request(r["id"], r["prompt_tokens"], r["output_tokens"],
+                            hashes=block_keys(r, cfg.block_size) if caching else ()))
         eng.watch_livelock = k >= last  # as the vLLM runner watches
         if eng.idle:
             if k > last:
                 end = "done"
                 break
-            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": []})
+            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": [],
+                          **({"hits": []} if caching else {})})
             continue
         try:
             rec = eng.step()
@@ -211,11 +237,13 @@ def run_engine(case: Case) -> dict:
             if k >= last:    # unless a request still to come changes that (as in vLLM)
                 end = "stuck"
                 break
-            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": []})
+            steps.append({"scheduled": [], "preempted": [], "first": [], "finished": [],
+                          **({"hits": []} if caching else {})})
             continue
         assert rec is not None
         steps.append({"scheduled": [[rid, n] for rid, n in rec.scheduled],
-                      "preempted": list(rec.preempted), "first": [], "finished": []})
+                      "preempted": list(rec.preempted), "first": [], "finished": [],
+                      **({"hits": [[rid, n] for rid, n in rec.hits]} if caching else {})})
         made = steps[k if rec.outputs_of is None else k - 1]  # async: the previous step's
         made["first"] += rec.first_token
         made["finished"] += rec.finished
@@ -230,8 +258,8 @@ def compare(want: dict, got: dict) -> str | None:
         if k >= len(want["steps"]) or k >= len(got["steps"]):
             return f"step {k}: one run ended ({len(want['steps'])} vs {len(got['steps'])} steps)"
         a, b = want["steps"][k], got["steps"][k]
-        for key in ("scheduled", "preempted"):
-            if a[key] != b[key]:
+        for key in ("scheduled", "preempted", "hits"):
+            if a.get(key) != b.get(key):
                 return f"step {k} {key}: vLLM {a[key]} engine {b[key]}"
         for key in ("first", "finished"):
             if sorted(a[key]) != sorted(b[key]):
@@ -254,8 +282,8 @@ def main() -> None:
     ap.add_argument("--show", type=int, default=3, help="first differences shown per mode")
     ap.add_argument("--modes", default="sync,async")
     ap.add_argument("--caching", action="store_true",
-                    help="shared-prefix cases with vLLM's prefix caching on; the engine does not "
-                    "model caching yet: print what it costs a replay without it")
+                    help="shared-prefix cases with prefix caching on (and what a replay without "
+                    "caching would miss)")
     args = ap.parse_args()
     python = find_vllm_python()
     if python is None or not python.exists():
@@ -286,29 +314,38 @@ def main() -> None:
 
 
 def _report_caching(python: Path, args) -> None:
-    """vLLM with prefix caching on shared-prefix cases, against the engine's replay without
-    caching: the share of prompt tokens that hit, agreement, and how late the replay puts
-    first tokens (in steps)."""
+    """vLLM with prefix caching on shared-prefix cases, against the engine with caching (per
+    step agreement) and without it (how late a replay that ignores the cache puts first
+    tokens, in steps); and the share of prompt tokens that hit."""
     import statistics
 
     for mode in args.modes.split(","):
         batch = prefix_cases(args.seed, args.cases, asynchronous=mode == "async")
         wants = run_vllm(python, batch)
-        prompt = hit = agree = 0
+        prompt = hit = agree = blind = 0
         late: list[int] = []
+        diffs = []
         for case, want in zip(batch, wants, strict=True):
             prompt += sum(r["prompt_tokens"] for r in case["requests"])
             hit += sum(n for st in want["steps"] for _, n in st.get("hits", ()))
-            got = run_engine(case)
-            agree += compare(want, got) is None
+            why = compare(want, run_engine(case))
+            agree += why is None
+            if why:
+                diffs.append((case["name"], why))
+            off = {**case, "config": {**case["config"], "enable_prefix_caching": False}}
+            got = run_engine(off)
+            blind += compare({**want, "steps": [{k: v for k, v in st.items() if k != "hits"}
+                                                for st in want["steps"]]}, got) is None
             fw, fg = first_steps(want), first_steps(got)
             late += [fg[r] - fw[r] for r in fw if r in fg]
         late.sort()
         p90 = late[int(0.9 * (len(late) - 1))] if late else 0
-        print(f"{mode} with prefix caching ({len(batch)} cases, seed {args.seed}): hits cover "
-              f"{hit / max(prompt, 1):.0%} of prompt tokens; a replay without caching agrees "
-              f"in {agree} and puts first tokens a median {statistics.median(late or [0]):g} "
-              f"steps late (p90 {p90})")
+        print(f"{mode} with prefix caching ({len(batch)} cases, seed {args.seed}): the engine "
+              f"agrees step for step in {agree}; hits cover {hit / max(prompt, 1):.0%} of "
+              f"prompt tokens; a replay without caching agrees in {blind} and puts first "
+              f"tokens a median {statistics.median(late or [0]):g} steps late (p90 {p90})")
+        for name, why in diffs[:args.show]:
+            print(f"  {name}: {why}")
 
 
 if __name__ == "__main__":

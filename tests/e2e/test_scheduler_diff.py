@@ -13,10 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from .scheduler_diff import cases, compare, preemptions, run_engine, run_vllm, targeted
+from .scheduler_diff import (
+    cases,
+    compare,
+    preemptions,
+    prefix_cases,
+    run_engine,
+    run_vllm,
+    targeted,
+)
 
 SEED = 0
 RANDOM_CASES = 360
+PREFIX_CASES = 150
 MODES = ["sync", "async"]
 
 
@@ -40,9 +49,9 @@ def test_engine_schedules_as_vllm(vllm_python: Path, mode: str) -> None:
 
 
 def test_the_vllm_runner_reports_prefix_cache_hits(vllm_python: Path) -> None:
-    """The harness half of prefix caching (the engine does not model it yet): with caching on,
-    vLLM's scheduler skips the cached full blocks of a shared prompt, capped below the
-    request's token count, and the runner reports those hits per admitted request."""
+    """With caching on, vLLM's scheduler skips the cached full blocks of a shared prompt,
+    capped below the request's token count, and the runner reports those hits per admitted
+    request; so does the engine."""
     ids = list(range(100, 164))  # 64 tokens: 4 full blocks of 16
     base = {"max_num_batched_tokens": 512, "max_num_seqs": 4, "max_model_len": 1024,
             "block_size": 16, "num_gpu_blocks": 100, "long_prefill_token_threshold": 0}
@@ -64,3 +73,25 @@ def test_the_vllm_runner_reports_prefix_cache_hits(vllm_python: Path) -> None:
     assert on["steps"][5]["scheduled"] == [["b", 16], ["c", 16]]
     assert on["steps"][5]["hits"] == [["b", 48], ["c", 64]]
     assert all(not st["hits"] for k, st in enumerate(on["steps"]) if k != 5)
+    assert compare(on, run_engine({"name": "on", "config": {**base, "enable_prefix_caching":
+                                                            True},
+                                   "requests": reqs, "max_steps": 100})) is None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_caches_prefixes_as_vllm(vllm_python: Path, mode: str) -> None:
+    """With prefix caching on (vLLM's block hasher on the requests): tenants' system prompts,
+    multi-turn sessions, repeated prompts, KV from ample to tight. Every step agrees, the
+    prefix-cache hits of the admitted requests included."""
+    batch = prefix_cases(SEED, PREFIX_CASES, asynchronous=mode == "async")
+    wants = run_vllm(vllm_python, batch)
+    assert len(wants) == len(batch)
+    diffs = [f"{case['name']}: {why}" for case, want in zip(batch, wants, strict=True)
+             if (why := compare(want, run_engine(case)))]
+    # the cases exercise caching: hits on a good share of the prompts, evictions and
+    # preemptions under tight KV
+    prompt = sum(r["prompt_tokens"] for c in batch for r in c["requests"])
+    hits = sum(n for w in wants for st in w["steps"] for _, n in st["hits"])
+    assert 0.3 < hits / prompt < 0.8
+    assert sum(preemptions(w) for w in wants) > 30
+    assert not diffs, f"{len(diffs)} of {len(batch)} cases differ:\n" + "\n".join(diffs[:10])

@@ -18,7 +18,10 @@ class SchedulerConfig:
     (vLLM's default: on) admits a waiting request only if blocks for its whole sequence fit;
     ``watermark`` keeps that fraction of ``num_gpu_blocks`` free when admitting waiting or
     preempted requests while others run; ``async_scheduling`` schedules step k+1 before step
-    k's output is applied (vLLM's default on GPUs; the CPU platform turns it off).
+    k's output is applied (vLLM's default on GPUs; the CPU platform turns it off);
+    ``enable_prefix_caching`` reuses cached full blocks of shared prefixes (vLLM's default is on;
+    here off, the form of snapshots of version 1, until a caller gives the requests' block
+    hashes).
     """
 
     max_num_batched_tokens: int = 8192
@@ -30,6 +33,7 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     async_scheduling: bool = False
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -44,7 +48,7 @@ class SchedulerConfig:
         if not isinstance(thr, int) or isinstance(thr, bool) or thr < 0:
             raise ValueError(
                 f"config.long_prefill_token_threshold: must be an integer >= 0, got {thr!r}")
-        for name in ("scheduler_reserve_full_isl", "async_scheduling"):
+        for name in ("scheduler_reserve_full_isl", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}: must be true or false, got "
                                  f"{getattr(self, name)!r}")

@@ -83,7 +83,11 @@ def _probe_id(snapshot: Snapshot) -> str:
 
 @lru_cache(maxsize=256)
 def config_array(cfg: SchedulerConfig) -> np.ndarray:
-    """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`)."""
+    """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`). The kernel does
+    not model prefix caching yet (the reference loop does): refused rather than ignored."""
+    if cfg.enable_prefix_caching:
+        raise ValueError("config.enable_prefix_caching: the compiled engine and the forecaster "
+                         "do not model prefix caching yet; use ReferenceEngine")
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
                      block_shift(cfg.block_size), cfg.watermark_blocks,

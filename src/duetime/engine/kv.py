@@ -9,8 +9,7 @@ Two forms of the same rules, kept side by side so that they cannot drift apart:
   compiled engine: blocks held per request in column ``HELD`` of the kernel's request table,
   the free count in the kernel's state. The kernel calls nothing else to count or move blocks.
 
-Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``, no prefix caching
-yet):
+Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``):
 
 * one of ``num_gpu_blocks`` is the null block (``block_pool.py``): ``num_gpu_blocks - 1`` are
   usable, and usage is measured against them;
@@ -24,8 +23,12 @@ yet):
   watermark. A prompt whose full sequence exceeds the usable blocks is never admitted: it
   blocks the queue behind it.
 
-Prefix caching (hashes of full blocks, hits, eviction of free cached blocks) changes this
-module and nothing outside it.
+With prefix caching (``SchedulerConfig.enable_prefix_caching``) the reference form keeps every
+block (:mod:`duetime.engine.block_pool`): a waiting request with nothing computed first looks up
+its cached prefix (:meth:`KVLedger.lookup`), is admitted with those blocks counted as held (a hit
+on a block nobody holds costs one free block), reuses them (:meth:`KVLedger.reuse`) and
+computes only the rest; every full block of known tokens is registered when it is allocated.
+The compiled form does not cache yet.
 
 The block count of a token count is a division; the kernel shifts instead when the block size
 is a power of two (``shift`` = log2(block size), else -1): in a decode step the division would
@@ -34,9 +37,12 @@ cost more than the rest of the request's bookkeeping.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import numpy as np
 
 from duetime.engine._jit import njit
+from duetime.engine.block_pool import BlockPool
 from duetime.engine.config import NULL_BLOCKS, SchedulerConfig
 
 
@@ -79,26 +85,34 @@ class KVLedger:
     """Block accounting of one instance's KV cache, request by request (the reference form).
 
     A request's ``blocks`` attribute is what it holds; :attr:`free_blocks` is what is left of
-    the ``usable_blocks`` (all but the null block).
+    the ``usable_blocks`` (all but the null block). With prefix caching (``caching``) the
+    blocks themselves are tracked by a :class:`~duetime.engine.block_pool.BlockPool` (the
+    request's ``block_ids``), and the free count includes cached blocks nobody holds.
     """
 
-    __slots__ = ("block_size", "free_blocks", "full_sequence", "num_blocks", "usable_blocks",
-                 "watermark_blocks")
+    __slots__ = ("block_size", "free_blocks", "full_sequence", "num_blocks", "pool",
+                 "usable_blocks", "watermark_blocks")
 
     def __init__(self, num_blocks: int, block_size: int, free_blocks: int | None = None, *,
-                 watermark_blocks: int = 0, full_sequence: bool = True) -> None:
+                 watermark_blocks: int = 0, full_sequence: bool = True,
+                 caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.usable_blocks = num_blocks - NULL_BLOCKS
         self.block_size = block_size
         self.free_blocks = self.usable_blocks if free_blocks is None else free_blocks
         self.watermark_blocks = watermark_blocks
         self.full_sequence = full_sequence
+        self.pool = BlockPool(num_blocks) if caching else None
+        if caching and free_blocks is not None:
+            raise ValueError("with prefix caching the ledger owns the blocks: hand over "
+                             "running requests with hold(), not a free count")
 
     @classmethod
     def of(cls, config: SchedulerConfig, free_blocks: int | None = None) -> KVLedger:
         return cls(config.num_gpu_blocks, config.block_size, free_blocks,
                    watermark_blocks=config.watermark_blocks,
-                   full_sequence=config.scheduler_reserve_full_isl)
+                   full_sequence=config.scheduler_reserve_full_isl,
+                   caching=config.enable_prefix_caching)
 
     def blocks_for(self, tokens: int) -> int:
         return blocks_for(tokens, self.block_size)
@@ -110,15 +124,30 @@ class KVLedger:
     def fits(self, blocks: int) -> bool:
         return blocks <= self.free_blocks
 
-    def admit(self, request, full_tokens: int, tokens: int, others_running: bool) -> int | None:
+    def lookup(self, request) -> list[int]:
+        """Cached blocks a waiting request with nothing computed can reuse: the longest cached
+        run of its full blocks, all but its last token at most (vLLM recomputes that one to
+        sample from it). Empty without prefix caching."""
+        if self.pool is None:
+            return []
+        n = (request.prompt + request.output - 1) // self.block_size
+        return self.pool.lookup(self._key(request, i) for i in range(n))
+
+    def admit(self, request, full_tokens: int, tokens: int, others_running: bool,
+              hits: list[int] | tuple[()] = ()) -> int | None:
         """New blocks a waiting request needs for its first chunk (``tokens`` computed
-        tokens), or None if it may not be admitted now: its whole sequence (``full_tokens``)
-        must fit, and the watermark be left while others run."""
+        tokens, ``hits`` of them cached blocks it reuses), or None if it may not be admitted
+        now: its whole sequence (``full_tokens``) must fit, and the watermark be left while
+        others run. A hit on a block nobody holds takes it out of the free blocks, so it
+        counts as one more block needed."""
         spare = self.watermark_blocks if others_running else 0
-        if self.full_sequence and (blocks_for(full_tokens, self.block_size) - request.blocks
+        held = request.blocks + len(hits)
+        if hits:
+            spare += sum(1 for b in hits if self.pool.ref[b] == 0)
+        if self.full_sequence and (max(blocks_for(full_tokens, self.block_size) - held, 0)
                                    + spare > self.free_blocks):
             return None
-        need = self.need(request, tokens)
+        need = max(blocks_for(tokens, self.block_size) - held, 0)
         return need if need + spare <= self.free_blocks else None
 
     def ever_fits(self, full_tokens: int) -> bool:
@@ -126,21 +155,60 @@ class KVLedger:
         it)."""
         return blocks_for(full_tokens, self.block_size) <= self.usable_blocks
 
-    def take(self, request, blocks: int) -> None:
-        """Give ``request`` ``blocks`` more blocks (the caller checked :meth:`fits`)."""
-        self.free_blocks -= blocks
+    def reuse(self, request, hits: list[int]) -> None:
+        """A waiting request with nothing computed takes the cached blocks it hit (admitted
+        with them by :meth:`admit`)."""
+        self.pool.touch(hits)
+        request.block_ids = list(hits)
+        request.blocks = request.num_cached = len(hits)
+        self.free_blocks = self.pool.free_count
+
+    def take(self, request, blocks: int, cached_tokens: int = 0) -> None:
+        """Give ``request`` ``blocks`` more blocks (the caller checked :meth:`fits`); with
+        prefix caching, its full blocks of the first ``cached_tokens`` tokens (those known:
+        prompt and applied outputs) are registered in the cache at once."""
         request.blocks += blocks
+        if self.pool is None:
+            self.free_blocks -= blocks
+            return
+        if blocks:
+            request.block_ids += self.pool.allocate(blocks)
+            self.free_blocks = self.pool.free_count
+        full = cached_tokens // self.block_size
+        if full > request.num_cached:
+            ids, cache = request.block_ids, self.pool.cache
+            for i in range(request.num_cached, full):
+                cache(ids[i], self._key(request, i))
+            request.num_cached = full
 
     def free(self, request) -> None:
         """``request`` gives back every block it holds (finished, aborted or preempted)."""
-        self.free_blocks += request.blocks
+        if self.pool is None:
+            self.free_blocks += request.blocks
+        else:
+            self.pool.free(request.block_ids)
+            request.block_ids = []
+            request.num_cached = 0
+            self.free_blocks = self.pool.free_count
         request.blocks = 0
 
     def hold(self, request, computed: int) -> None:
         """``request`` holds the blocks of its ``computed`` tokens (state handed over; the
         caller checks the free count afterwards)."""
-        request.blocks = blocks_for(computed, self.block_size)
-        self.free_blocks -= request.blocks
+        request.blocks = 0
+        request.block_ids = []
+        request.num_cached = 0
+        need = blocks_for(computed, self.block_size)
+        if self.pool is None or need > self.free_blocks:
+            request.blocks = need
+            self.free_blocks -= need
+        else:
+            self.take(request, need, min(computed, request.prompt + request.output))
+
+    @staticmethod
+    def _key(request, i: int) -> Hashable:
+        hashes = request.hashes
+        return hashes[i] if i < len(hashes) else (request.id, i)
 
     @property
     def used_blocks(self) -> int:
@@ -148,7 +216,8 @@ class KVLedger:
 
     @property
     def usage(self) -> float:
-        """Fraction of the usable cache in use (vLLM's ``kv_cache_usage_perc``)."""
+        """Fraction of the usable cache in use (vLLM's ``kv_cache_usage_perc``; cached blocks
+        nobody holds count as free)."""
         return self.used_blocks / self.usable_blocks if self.usable_blocks else 0.0
 
 

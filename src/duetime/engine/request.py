@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 
 class Request:
     """Mutable per-request state (see ``shared/reference/vllm-v1-scheduler.md``).
@@ -9,14 +11,23 @@ class Request:
     ``prompt`` P, ``output`` O (tokens produced so far), ``stop`` T (the output length it stops
     at: predicted in a forecast, true in a simulation), ``computed`` C (with asynchronous
     scheduling, tokens scheduled in a step whose output is not applied yet count), ``blocks``
-    B (KV blocks held). ``first_token`` / ``finished`` are stamped with the end time of the step that made them.
+    B (KV blocks held). ``first_token`` / ``finished`` are stamped with the end time of the step
+    that made them.
+
+    With prefix caching, ``hashes`` are the keys of the full blocks of its sequence (prompt, then
+    output, as far as the caller knows them; vLLM's chained block hashes, or any keys equal
+    exactly when the tokens up to the block's end are); a full block past them gets a key of its
+    own (``(id, index)``: nobody else can hit it, but the request itself can after a
+    preemption). ``block_ids`` are the blocks it holds, in order, and ``num_cached`` how many of
+    them are registered in the cache (the block ledger keeps both).
     """
 
-    __slots__ = ("arrival", "blocks", "computed", "finished", "first_token", "id", "output",
-                 "pending", "prompt", "stale", "stop")
+    __slots__ = ("arrival", "block_ids", "blocks", "computed", "finished", "first_token",
+                 "hashes", "id", "num_cached", "output", "pending", "prompt", "stale", "stop")
 
     def __init__(self, id: str, prompt: int, stop: int, *, output: int = 0, computed: int = 0,
-                 blocks: int = 0, arrival: float = 0.0) -> None:
+                 blocks: int = 0, arrival: float = 0.0,
+                 hashes: Sequence[Hashable] = ()) -> None:
         self.id = id
         self.prompt = prompt
         self.stop = stop
@@ -31,6 +42,9 @@ class Request:
         # preemption is stale (applied, but not counted against ``pending``)
         self.pending = 0
         self.stale = False
+        self.hashes = hashes
+        self.block_ids: list[int] = []
+        self.num_cached = 0
 
     @property
     def num_tokens(self) -> int:

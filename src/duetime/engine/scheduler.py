@@ -38,6 +38,7 @@ class StepRecord:
     finished: list[str] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)  # requests that produced an output token
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # in schedule order
+    hits: list[tuple[str, int]] = field(default_factory=list)  # prefix-cache hits, in tokens
     outputs_of: int | None = None  # async: the step whose outputs the three lists above are
 
     @property
@@ -81,6 +82,8 @@ class ReferenceEngine:
                 self.kv.hold(r, r.computed)
             for r in self.waiting:
                 r.blocks = 0
+                r.block_ids = []
+                r.num_cached = 0
         if self.kv.free_blocks < 0:
             raise ValueError(f"running requests hold {self.kv.used_blocks} KV blocks but the "
                              f"instance has only {config.usable_blocks} (of "
@@ -95,6 +98,8 @@ class ReferenceEngine:
     def add(self, request: Request) -> None:
         """Queue a request at the tail of the waiting queue (takes effect at the next step)."""
         request.blocks = 0
+        request.block_ids = []
+        request.num_cached = 0
         self.waiting.append(request)
         self._lone = None  # the livelock watch starts over (see step)
 
@@ -156,7 +161,7 @@ class ReferenceEngine:
                     break
             if not ok:
                 break
-            kv.take(r, need)
+            kv.take(r, need, min(target, r.prompt + r.output))
             scheduled.append((r, n))
             budget -= n
             i += 1
@@ -170,13 +175,20 @@ class ReferenceEngine:
                 # of two vLLM never has to skip a request for it)
                 assert not r.stale
                 length = r.prompt + r.output
-                n = min(length - r.computed, cap, budget)
-                need = kv.admit(r, min(length, max_len), r.computed + n, bool(running))
+                # prefix caching: the cached run of its full blocks is not computed again
+                hits = kv.lookup(r) if r.computed == 0 else ()
+                c = r.computed + len(hits) * kv.block_size
+                n = min(length - c, cap, budget)
+                need = kv.admit(r, min(length, max_len), c + n, bool(running), hits)
                 if need is None:
                     break
                 waiting.popleft()
                 running.append(r)
-                kv.take(r, need)
+                if hits:
+                    kv.reuse(r, hits)
+                    r.computed = c
+                    rec.hits.append((r.id, c))
+                kv.take(r, need, min(c + n, length))
                 scheduled.append((r, n))
                 budget -= n
 
@@ -229,7 +241,7 @@ class ReferenceEngine:
                 if samples:
                     if not stale:
                         r.pending -= 1
-                    self._sampled(r, self.time, rec)
+                    self._sampled(r, self.time, rec, cache=not stale)
             self._inflight = sampling
         if rec.finished:
             self.running = [r for r in self.running if r.finished is None]
@@ -249,9 +261,14 @@ class ReferenceEngine:
         self.steps += 1
         return rec
 
-    def _sampled(self, r: Request, t: float, rec: StepRecord) -> None:
-        """``r`` gets an output token at time ``t``; it may finish (its blocks go back)."""
+    def _sampled(self, r: Request, t: float, rec: StepRecord, cache: bool = False) -> None:
+        """``r`` gets an output token at time ``t``; it may finish (its blocks go back).
+        Asynchronously (``cache``: it was running when the token was sampled), its blocks full
+        of known computed tokens are registered in the prefix cache first, as vLLM's
+        ``AsyncScheduler`` does when it applies an output."""
         r.output += 1
+        if cache and self.kv.pool is not None:
+            self.kv.take(r, 0, min(r.computed - r.pending, r.prompt + r.output))
         self._quiet = False
         rec.tokens.append(r.id)
         if r.output == 1:
