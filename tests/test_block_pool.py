@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from duetime.engine import KVLedger, Paper4, ReferenceEngine, Request, SchedulerConfig
@@ -144,3 +145,55 @@ def test_blocks_are_conserved_under_eviction_and_preemption(asynchronous):
         for key, blocks in pool.cached.items():
             assert all(pool.key[b] == key for b in blocks)
     assert preempted > 5 and hits > 10
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed):
+    """Random allocations, hits, caching and frees (with duplicate keys) on both forms: the
+    same blocks handed out, the same free queue, the same lookups."""
+    from duetime.engine import pool_kernel as pk
+
+    rng = random.Random(seed)
+    n_blocks = rng.choice([8, 30, 100])
+    ref = BlockPool(n_blocks)
+    pool, kmap = pk.new_pool(n_blocks), pk.new_key_map()
+    rb = np.zeros(4096, dtype=np.int64)
+    rk = np.zeros(0, dtype=np.int64)
+    held: list[list[int]] = []  # per live request, its blocks (the same on both sides)
+    used = 0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.4 and ref.free_count:
+            count = rng.randint(1, ref.free_count)
+            want = ref.allocate(count)
+            pk.pool_allocate(pool, kmap, rb, used, count)
+            assert rb[used:used + count].tolist() == want
+            used += count
+            for b in want:
+                if rng.random() < 0.6:
+                    key = rng.randint(0, 12)  # few keys: duplicates happen
+                    ref.cache(b, key)
+                    pk.pool_cache(pool, kmap, b, key)
+            held.append(want)
+        elif op < 0.6:
+            keys = [rng.randint(0, 12) for _ in range(rng.randint(1, 5))]
+            want = ref.lookup(keys)
+            rk = np.array(keys, dtype=np.int64)
+            got = pk.pool_lookup(kmap, rk, 0, len(keys), 0, len(keys), rb, used)
+            assert rb[used:used + got].tolist() == want
+            if want and rng.random() < 0.7:
+                assert pk.pool_evictable(pool, rb, used, got) == ref.evictable(want)
+                ref.touch(want)
+                pk.pool_touch(pool, rb, used, got)
+                held.append(want)
+                used += got
+        elif held:
+            blocks = held.pop(rng.randrange(len(held)))
+            ref.free(blocks)
+            at = used
+            rb[at:at + len(blocks)] = blocks
+            pk.pool_release(pool, rb, at, len(blocks))
+        assert pk.queue_of(pool) == ref.queue()
+        assert pool[:n_blocks, 0].tolist() == ref.ref
+        if used > 3500:
+            used = 0

@@ -139,3 +139,65 @@ def test_noise_is_seeded_and_mean_preserving() -> None:
     exact = total(0.0, 1)
     assert total(0.1, 1) == total(0.1, 1) != exact
     assert abs(total(0.1, 2) / exact - 1) < 0.05  # ~1000 steps of mean-one noise
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_compiled_engine_caches_prefixes_as_the_reference(seed: int) -> None:
+    """Prefix caching: shared system prompts, conversations that continue earlier ones (their
+    prompt holds the earlier prompt and its output), repeated prompts; tight and ample KV;
+    aborts and the compaction of finished rows on the way."""
+    import dataclasses
+
+    rng = random.Random(1000 + seed)
+    cfg = dataclasses.replace(_config(rng), enable_prefix_caching=True,
+                              max_model_len=2048, num_gpu_blocks=rng.choice([64, 200, 5000]))
+    bs = cfg.block_size
+    model = rng.choice([PAPER4, SFS6])
+    ref = ReferenceEngine(cfg, model)
+    fast = Engine(cfg, model, capacity=4, retain_finished=rng.random() < 0.5)
+    systems = [[rng.getrandbits(62) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    history: list[tuple[int, list[int]]] = []  # (tokens, keys) of earlier sequences
+    n_added = hits = 0
+    for k in range(400):
+        for _ in range(rng.choice([0, 0, 0, 1, 2])):
+            if history and rng.random() < 0.4:  # a later turn: an earlier sequence + more
+                base, keys = rng.choice(history)
+            else:
+                keys = rng.choice(systems)
+                base = len(keys) * bs
+            p = min(base + rng.randint(1, 200), cfg.max_model_len - 80)
+            t = rng.randint(1, 60)
+            keys = keys[:p // bs] + [rng.getrandbits(62) for _ in range((p + t) // bs)]
+            keys = keys[:(p + t) // bs]
+            history.append((p + t, keys))
+            rid = f"q{n_added}"
+            n_added += 1
+            ref.add(Request(rid, p, t, hashes=keys))
+            fast.add(rid, p, t, hashes=keys)
+        if k % 37 == 36 and ref.running:  # a client goes away
+            gone = ref.running[-1]
+            assert fast.abort(gone.id)
+            ref.running.remove(gone)  # (the reference loop has no abort: as the engine does)
+            ref.kv.free(gone)
+            gone.finished = ref.time
+        try:
+            want = ref.step()
+        except EngineStuck:
+            with pytest.raises(EngineStuck):
+                fast.step()
+            return
+        got = fast.step(tokens=True)
+        if want is None:
+            assert got is None
+            continue
+        assert (got.index, got.start, got.end) == (want.index, want.start, want.end)
+        assert sorted(got.first_token) == sorted(want.first_token)
+        assert sorted(got.finished) == sorted(want.finished)
+        assert got.preempted == len(want.preempted)
+        assert got.prefix_hits == sum(n for _, n in want.hits)
+        hits += got.prefix_hits
+        assert fast.running_ids() == [r.id for r in ref.running]
+        assert fast.waiting_ids() == [r.id for r in ref.waiting]
+        assert fast.free_blocks == ref.free_blocks
+        fast.check_invariants()
+    assert n_added > 20 and hits > 0

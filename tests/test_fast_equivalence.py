@@ -135,3 +135,22 @@ def test_forecasts_do_not_depend_on_the_snapshot_clock() -> None:
                 continue
             assert (a.estimate_s, a.steps) == (b.estimate_s, b.steps)
             assert replay(snap, p).estimate_s == replay(late, p).estimate_s
+
+
+def test_prefix_caching_runs_as_plain_python_without_numba() -> None:
+    """The block pool's compiled form run as Python (``DUETIME_NO_JIT=1``) agrees with the
+    reference loop too."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from duetime.engine import kernel\n"
+        "assert not hasattr(kernel.step, 'py_func'), 'numba was used'\n"
+        "import test_compiled_engine as t\n"
+        "for seed in range(6):\n"
+        "    t.test_compiled_engine_caches_prefixes_as_the_reference(seed)\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DUETIME_NO_JIT="1")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -27,7 +27,7 @@ from duetime.sim import ClusterSim
 from duetime.workload import load_workload, sample_requests
 
 ALL = ("round-robin", "shortest-queue", "load-aware", "latency-agnostic", "sfs", "sfs-soft",
-       "throughput", "lps", "session-affinity", "laar", "ttca")
+       "throughput", "lps", "session-affinity", "laar", "ttca", "prefix-load", "cache-aware")
 
 
 def test_every_policy_is_registered_with_its_declarations():
@@ -41,6 +41,7 @@ def test_every_policy_is_registered_with_its_declarations():
     assert consumes("load-aware") == {"metrics"}
     assert consumes("laar") >= {"success"} and "quality" not in consumes("laar")
     assert "stats" in consumes("lps")
+    assert consumes("cache-aware") == consumes("prefix-load") == {"metrics", "prefix_cache"}
 
 
 def test_parameters_are_typed_defaulted_and_checked():

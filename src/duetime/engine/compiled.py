@@ -31,6 +31,7 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import config_array
 from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take, stuck_reason
+from duetime.engine.pool_kernel import new_key_map, new_pool, pool_allocate, queue_of
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 
@@ -56,6 +57,10 @@ class StepEvents:
     # when the outputs listed (first_token, finished, tokens) were made: the step's end; with
     # asynchronous scheduling they are the previous step's, made at this step's start
     outputs_at: float = math.nan
+    # prefix caching: tokens of the requests admitted after a cache lookup, and of those the
+    # tokens found cached (vLLM's prefix_cache_queries / prefix_cache_hits)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
     @property
     def tokens(self) -> list[str]:
@@ -139,7 +144,17 @@ class Engine:
         self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
         self._work = np.zeros((2, n), dtype=np.int64)
-        self._out = np.zeros(8, dtype=np.int64)
+        self._out = np.zeros(kn.OUT_SIZE, dtype=np.int64)
+        # prefix caching: the block pool and the arenas of blocks and known keys (kernel doc)
+        self.caching = config.enable_prefix_caching
+        if self.caching:
+            self._pool = new_pool(config.num_gpu_blocks)
+            self._kmap = new_key_map()
+            self._rb = np.zeros(1024, dtype=np.int64)
+            self._rk = np.zeros(1024, dtype=np.int64)
+        else:
+            self._pool, self._kmap, self._rb, self._rk = kn.NO_POOL
+        self._rb_used = self._rk_used = self._uid = 0
         self._pred = np.zeros(n, dtype=np.int64)  # predicted output length (the router's view)
         self._arrival = np.zeros(n)
         self._ids: list[str] = []
@@ -266,10 +281,12 @@ class Engine:
 
     def add(self, request_id: str, prompt_tokens: int, stop: int, *,
             output_tokens: int = 0, predicted_output_tokens: int | None = None,
-            arrival: float | None = None) -> None:
+            arrival: float | None = None, hashes: Sequence[int] | np.ndarray = ()) -> None:
         """Queue a request (``stop``: the output length it stops at) at the waiting tail.
 
         ``predicted_output_tokens`` (default: ``stop``) is what :meth:`snapshot` shows a router.
+        ``hashes`` (prefix caching): the int64 keys of the full blocks of its sequence, as far
+        as known (see :class:`~duetime.engine.request.Request`).
         """
         if request_id in self._rows:
             raise ValueError(f"request id {request_id!r} is already in this engine")
@@ -293,10 +310,43 @@ class Engine:
             prompt_tokens, output_tokens, stop)
         self._pred[r] = stop if predicted_output_tokens is None else predicted_output_tokens
         self._arrival[r] = self._clock[0] if arrival is None else arrival
+        if self.caching:
+            self._place(r, np.asarray(hashes, dtype=np.int64))
         n = self._wq.shape[0]
         self._wq[(self._st[kn.WH] + self._st[kn.WC]) % n] = r
         self._st[kn.WC] += 1
         self._changed()
+
+    def _blocks_cap(self, r: int) -> int:
+        """The most blocks row ``r`` can hold (its whole sequence, up to max_model_len)."""
+        req = self._req
+        tokens = int(req[r, kn.PROMPT]) + max(int(req[r, kn.STOP]), int(req[r, kn.OUTPUT])) + 1
+        return blocks_for(min(tokens, self.config.max_model_len), self.config.block_size)
+
+    def _place(self, r: int, keys: np.ndarray) -> None:
+        """Prefix caching: row ``r`` gets its slices of the arenas (blocks, keys) and an id
+        for its own keys; a slice too small for its blocks moves to the end."""
+        req = self._req
+        cap = self._blocks_cap(r)
+        held = int(req[r, HELD])
+        if self._rb_used + cap > self._rb.shape[0]:
+            self._rb = np.concatenate((self._rb, np.zeros(max(cap, self._rb.shape[0]),
+                                                          dtype=np.int64)))
+        at = self._rb_used
+        if held:
+            self._rb[at:at + held] = self._rb[req[r, kn.BOFF]:req[r, kn.BOFF] + held]
+        req[r, kn.BOFF], req[r, kn.BCAP] = at, cap
+        self._rb_used += cap
+        if keys is not None:
+            if self._rk_used + len(keys) > self._rk.shape[0]:
+                self._rk = np.concatenate((self._rk, np.zeros(max(len(keys), self._rk.shape[0]),
+                                                              dtype=np.int64)))
+            k = self._rk_used
+            self._rk[k:k + len(keys)] = keys
+            req[r, kn.KOFF], req[r, kn.NKEY] = k, len(keys)
+            self._rk_used += len(keys)
+            req[r, kn.UID] = self._uid
+            self._uid += 1
 
     def _grow(self) -> None:
         """Double the arrays; rows keep their numbers (the order requests were added)."""
@@ -338,6 +388,20 @@ class Engine:
             return out
 
         self._req = keep(self._req, 0)
+        if self.caching:  # the arenas keep only the live rows' slices
+            rb, rk = self._rb, self._rk
+            self._rb = np.zeros(max(1024, int(self._req[:k, kn.BCAP].sum())), dtype=np.int64)
+            self._rk = np.zeros(max(1024, int(self._req[:k, kn.NKEY].sum())), dtype=np.int64)
+            self._rb_used = self._rk_used = 0
+            for i in range(k):
+                row = self._req[i]
+                b, c, ko, nk = (int(row[kn.BOFF]), int(row[kn.BCAP]), int(row[kn.KOFF]),
+                                int(row[kn.NKEY]))
+                self._rb[self._rb_used:self._rb_used + c] = rb[b:b + c]
+                self._rk[self._rk_used:self._rk_used + nk] = rk[ko:ko + nk]
+                row[kn.BOFF], row[kn.KOFF] = self._rb_used, self._rk_used
+                self._rb_used += c
+                self._rk_used += nk
         self._stamps = keep(self._stamps, np.nan)
         self._pred = keep(self._pred, 0)
         self._arrival = keep(self._arrival, 0.0)
@@ -362,7 +426,8 @@ class Engine:
             rows = np.concatenate((self._run[:self._st[kn.NRUN]], self._waiting_rows()))
             before = self._req[rows, kn.OUTPUT]
         got = kn.step(self._req, self._stamps, self._run, self._wq, self._st, self._clock,
-                      self._cfg, self._w, self._work, self._out, self.noise)
+                      self._cfg, self._w, self._work, self._out, self._pool, self._kmap,
+                      self._rb, self._rk, self.noise)
         out = self._out
         self._raise_if_stuck(got, int(out[4]))
         ids = self._ids
@@ -373,7 +438,8 @@ class Engine:
         return StepEvents(int(self._st[kn.K]) - 1, start, end, got,
                           [ids[r] for r in self._work[1, :out[5]].tolist()],
                           [ids[r] for r in self._work[0, :out[6]].tolist()], int(out[7]),
-                          made, ids, start if self.config.async_scheduling else end)
+                          made, ids, start if self.config.async_scheduling else end,
+                          int(out[8]), int(out[9]))
 
     def _raise_if_stuck(self, code: int, row: int) -> None:
         if code == kn.STUCK:
@@ -390,7 +456,8 @@ class Engine:
         step in which requests finished, and returns their ids (else ``[]``)."""
         code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
                                     self._clock, self._cfg, self._w, self._work, self._out,
-                                    t, stop_on_finish, self.noise)
+                                    self._pool, self._kmap, self._rb, self._rk, t,
+                                    stop_on_finish, self.noise)
         self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
             self.set_clock(t)
@@ -413,7 +480,10 @@ class Engine:
         i = int(hit[0])
         run[i:nrun - 1] = run[i + 1:nrun].copy()
         self._st[kn.NRUN] = nrun - 1
-        self._st[kn.FREE] += kv_release(self._req, r)
+        if self.caching:
+            self._st[kn.FREE] += kn.release_blocks(self._req, r, self._pool, self._rb)
+        else:
+            self._st[kn.FREE] += kv_release(self._req, r)
         return True
 
     def _remove_waiting(self, r: int) -> bool:
@@ -469,12 +539,22 @@ class Engine:
                 return False
             self._run[nrun] = r
             self._st[kn.NRUN] = nrun + 1
-        self._st[kn.FREE] -= kv_take(req, r, need)
         req[r, kn.COMP] = computed
         req[r, kn.OUTPUT] = output_tokens
         req[r, ASYNC_COLUMNS] = 0  # settled: no token in flight
         if req[r, kn.STOP] <= output_tokens:
             req[r, kn.STOP] = output_tokens + 1
+        if self.caching:  # its new blocks come from the pool; its full ones are registered
+            if int(req[r, HELD]) + need > int(req[r, kn.BCAP]):
+                self._place(r, None)
+            pool_allocate(self._pool, self._kmap, self._rb, int(req[r, kn.BOFF] + req[r, HELD]),
+                          need)
+            req[r, HELD] += need
+            self._st[kn.FREE] -= need
+            kn.register_blocks(req, r, self._pool, self._kmap, self._rb, self._rk, computed,
+                         self.config.block_size)
+        else:
+            self._st[kn.FREE] -= kv_take(req, r, need)
         if self._stamps[r, 0] != self._stamps[r, 0]:
             self._stamps[r, 0] = self._clock[0]
         self._changed()
@@ -487,6 +567,10 @@ class Engine:
         nrun = int(self._st[kn.NRUN])
         if nrun == 0 or not len(request_ids):
             return 0
+        if self.caching:  # blocks have identities: one by one
+            running = set(self.running_ids())
+            return sum(self.observe(i, int(o)) for i, o in zip(request_ids, output_tokens,
+                                                               strict=True) if i in running)
         get = self._rows.get
         rows = np.fromiter((get(i, -1) for i in request_ids), dtype=np.int64,
                            count=len(request_ids))
@@ -547,8 +631,18 @@ class Engine:
         (tests)."""
         nrun = int(self._st[kn.NRUN])
         rows = self._run[:nrun]
-        held = int(self._req[rows, HELD].sum())
-        assert held + int(self._st[kn.FREE]) == self.config.usable_blocks, "blocks leak"
+        if self.caching:  # blocks held (shared ones once) and the free queue are all of them
+            req, rb = self._req, self._rb
+            held_ids = {int(b) for r in rows.tolist()
+                        for b in rb[req[r, kn.BOFF]:req[r, kn.BOFF] + req[r, HELD]]}
+            queue = queue_of(self._pool)
+            assert len(queue) == int(self._st[kn.FREE]), "free count"
+            assert len(held_ids) + len(queue) == self.config.usable_blocks, "blocks leak"
+            assert all(self._pool[b, 0] >= 1 for b in held_ids)
+            held = int(self._req[rows, HELD].sum())
+        else:
+            held = int(self._req[rows, HELD].sum())
+            assert held + int(self._st[kn.FREE]) == self.config.usable_blocks, "blocks leak"
         assert nrun <= self.config.max_num_seqs
         assert len(set(rows.tolist())) == nrun
         waiting = self._waiting_rows()

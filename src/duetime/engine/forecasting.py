@@ -83,15 +83,12 @@ def _probe_id(snapshot: Snapshot) -> str:
 
 @lru_cache(maxsize=256)
 def config_array(cfg: SchedulerConfig) -> np.ndarray:
-    """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`). The kernel does
-    not model prefix caching yet (the reference loop does): refused rather than ignored."""
-    if cfg.enable_prefix_caching:
-        raise ValueError("config.enable_prefix_caching: the compiled engine and the forecaster "
-                         "do not model prefix caching yet; use ReferenceEngine")
+    """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`)."""
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
                      block_shift(cfg.block_size), cfg.watermark_blocks,
-                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling)],
+                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling),
+                     int(cfg.enable_prefix_caching)],
                     dtype=np.int64)
 
 
@@ -102,8 +99,12 @@ def _weights_array(model: BatchTimeModel) -> np.ndarray:
 
 def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None) -> tuple:
     """Fresh replay arrays for the snapshot (see :mod:`kernel`); ``probe`` = (prompt, stop)
-    joins the queue's tail."""
+    joins the queue's tail. Snapshots of version 1 carry no cache state: forecasts with prefix
+    caching are refused, not silently made without it."""
     cfg = snapshot.config
+    if cfg.enable_prefix_caching:
+        raise ForecastError("config.enable_prefix_caching: forecasts do not model prefix "
+                            "caching yet (the engine does: ReferenceEngine, Engine)")
     cfg_arr = config_array(cfg)
     run, wait = snapshot.running_table, snapshot.waiting_table
     req, stamps, running, wq, st, clock = kn.prepare(
@@ -117,7 +118,8 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
         st[kn.WC] += 1
-    return (req, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model))
+    return (req, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model),
+            *kn.NO_POOL)
 
 
 def _request_id(snapshot: Snapshot, r: int, probe_id: str) -> str:

@@ -25,7 +25,15 @@ Layout (all int64 unless noted; request ``r`` is an index):
 * ``cfg``: budget, chunk cap (the long-prefill threshold, or the budget), max_num_seqs,
   max_model_len, block size, usable blocks, log2(block size) or -1 (see
   :mod:`duetime.engine.kv`), watermark blocks, full-sequence admission (0/1), asynchronous
-  scheduling (0/1);
+  scheduling (0/1), prefix caching (0/1);
+* with prefix caching, the block pool (:mod:`duetime.engine.pool_kernel`): ``pool``, ``kmap``
+  and the arenas ``rb`` (each request's blocks, from column ``BOFF``) and ``rk`` (its known
+  block keys, ``NKEY`` of them from column ``KOFF``); ``NCACHED``: its blocks registered in
+  the cache; ``UID``: what its own keys are made from; ``BCAP``: the length of its slice of
+  ``rb`` (the blocks it can ever hold). Without caching they are ``None`` (:data:`NO_POOL`)
+  and the free count is all the ledger keeps: numba then compiles a version of every
+  function without the caching branches (it prunes ``if kmap is not None`` for a ``None``
+  argument), as fast as before caching existed (a runtime flag cost the forecasts ~30%);
 * ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
   order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
 """
@@ -36,17 +44,29 @@ import numpy as np
 
 from duetime.engine._jit import njit
 from duetime.engine.kv import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv_take
+from duetime.engine.pool_kernel import (
+    pool_allocate,
+    pool_cache,
+    pool_evictable,
+    pool_lookup,
+    pool_release,
+    pool_touch,
+    req_key,
+)
 from duetime.engine.remaining import stop_length
 
-# req columns (HELD, 4, is the KV ledger's)
+# req columns (HELD, 4, is the KV ledger's; BOFF .. UID: prefix caching's, see step())
 PROMPT, OUTPUT, STOP, COMP, DONE, PEND, INF, NINF, STALE = 0, 1, 2, 3, 5, 6, 7, 8, 9
-REQ_COLUMNS = 10
+BOFF, KOFF, NKEY, NCACHED, UID, BCAP = 10, 11, 12, 13, 14, 15
+REQ_COLUMNS = 16
 assert HELD == 4
 # st fields (LONE, QUIET: the livelock watch; NINFL: rows in flight; see step())
 K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL = range(8)
 ST_SIZE = 8
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
-BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC = range(10)
+BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC, CACHING = range(11)
+# step()'s ``out``: see step()
+OUT_SIZE = 10
 
 # step() results (>= 0: number of requests scheduled)
 STUCK = -1      # nothing can be scheduled now and nothing changed (without arrivals: forever)
@@ -57,6 +77,9 @@ IDLE = 1        # nothing left to do
 FULL = 2        # the record arrays are full
 STEP_CAP = 3    # max_steps reached
 FINISHED = 4    # run_until: a request finished (asked to stop there)
+
+# the pool arguments of a kernel without prefix caching (see the module doc)
+NO_POOL = (None, None, None, None)
 
 # flag bits recorded per base step
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
@@ -114,11 +137,35 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
 
 
 @njit(cache=True, nogil=True)
-def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
+def release_blocks(req, r, pool, rb):  # pragma: no cover - jit
+    """Prefix caching: row ``r`` gives back all its blocks; returns how many join the free
+    queue."""
+    back = pool_release(pool, rb, req[r, BOFF], req[r, HELD])
+    req[r, HELD] = 0
+    req[r, NCACHED] = 0
+    return back
+
+
+@njit(cache=True, nogil=True)
+def register_blocks(req, r, pool, kmap, rb, rk, tokens, bs):  # pragma: no cover - jit
+    """Prefix caching: row ``r``'s full blocks of its first ``tokens`` tokens are registered
+    in the cache (those not yet)."""
+    full = tokens // bs
+    nc = req[r, NCACHED]
+    if full > nc:
+        boff, koff, nkey, uid = req[r, BOFF], req[r, KOFF], req[r, NKEY], req[r, UID]
+        for i in range(nc, full):
+            pool_cache(pool, kmap, rb[boff + i], req_key(rk, koff, nkey, uid, i))
+        req[r, NCACHED] = full
+
+
+@njit(cache=True, nogil=True)
+def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, noise=0.0,
          extra=0):  # pragma: no cover - jit
-    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[8]) gets
+    """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[OUT_SIZE]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
-    the waiting head (on STUCK), first tokens, finished, preempted]; the rows that got their
+    the waiting head (on STUCK), first tokens, finished, preempted, prefix-cache queries and
+    hits (tokens, of the admitted requests that looked up)]; the rows that got their
     first token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
     Returns the number of scheduled requests, or STUCK. ``noise`` > 0 multiplies the step's
     duration by a mean-one log-normal factor with that log-space spread (a simulated
@@ -162,6 +209,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
     len_sq = 0
     ns = 0
     preempted = 0
+    queried = 0
+    hit_tokens = 0
     made = False  # an output token was applied (the livelock watch)
     phase = 0
     i = 0
@@ -200,7 +249,10 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
             while free < need:  # preempt the newest running request (maybe r itself)
                 nrun -= 1
                 v = run[nrun]
-                free += kv_release(req, v)
+                if kmap is not None:
+                    free += release_blocks(req, v, pool, rb)
+                else:
+                    free += kv_release(req, v)
                 req[v, COMP] = 0
                 req[v, PEND] = 0
                 req[v, STALE] = 1 if req[v, INF] > 0 else 0
@@ -216,15 +268,45 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
                 break
             i += 1
         else:  # admission: the whole sequence must fit (and the watermark while others run)
+            spare = wm if nrun > 0 else 0
+            hits = 0
+            if kmap is not None and c == 0:
+                # its cached prefix is not computed again; a hit on a block nobody holds
+                # costs a free block (written to its own slice of rb: it holds nothing)
+                hits = pool_lookup(kmap, rk, req[r, KOFF], req[r, NKEY], req[r, UID],
+                                   (length - 1) // bs, rb, req[r, BOFF])
+                if hits > 0:
+                    spare += pool_evictable(pool, rb, req[r, BOFF], hits)
+                    c = hits * bs
+                    n = length - c
+                    if n > cap:
+                        n = cap
+                    if n > budget:
+                        n = budget
+                    req[r, HELD] = hits
             need = kv_admit(req, r, length if length < max_len else max_len, c + n, free,
-                            wm if nrun > 0 else 0, full, bs, shift)
+                            spare, full, bs, shift)
             if need < 0:
+                req[r, HELD] = 0
                 break
+            if kmap is not None and req[r, COMP] == 0:
+                queried += length
+                if hits > 0:
+                    free -= pool_touch(pool, rb, req[r, BOFF], hits)
+                    req[r, NCACHED] = hits
+                    hit_tokens += c
             wh = (wh + 1) % n_q
             wc -= 1
             run[nrun] = r
             nrun += 1
-        free -= kv_take(req, r, need)
+        if kmap is not None:
+            pool_allocate(pool, kmap, rb, req[r, BOFF] + req[r, HELD], need)
+            req[r, HELD] += need
+            free -= need
+            known = req[r, PROMPT] + req[r, OUTPUT]
+            register_blocks(req, r, pool, kmap, rb, rk, c + n if c + n < known else known, bs)
+        else:
+            free -= kv_take(req, r, need)
         budget -= n
         ns += 1
         # batch features (a token in flight counts as the output it will be), then apply
@@ -267,6 +349,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
         flags |= NO_MODEL
     out[3] = flags
     out[7] = preempted
+    out[8] = queried
+    out[9] = hit_tokens
     st[NRUN] = nrun
     st[WH] = wh
     st[WC] = wc
@@ -299,6 +383,11 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
                 o = req[r, OUTPUT] + 1
                 req[r, OUTPUT] = o
                 made = True
+                if kmap is not None and req[r, STALE] == 0:  # (vLLM's AsyncScheduler caches here)
+                    t = req[r, COMP] - req[r, PEND]
+                    if t > req[r, PROMPT] + o:
+                        t = req[r, PROMPT] + o
+                    register_blocks(req, r, pool, kmap, rb, rk, t, bs)
                 if o == 1:
                     first[nf] = r
                     nf += 1
@@ -320,7 +409,10 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
         for j in range(nd):
             r = done[j]
             stamps[r, 1] = t_out
-            free += kv_release(req, r)
+            if kmap is not None:
+                free += release_blocks(req, r, pool, rb)
+            else:
+                free += kv_release(req, r)
             req[r, DONE] = 1
         m = 0
         for j in range(nrun):
@@ -364,26 +456,26 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise=0.0,
 
 
 @njit(cache=True, nogil=True)
-def run_probe(req, stamps, run, wq, st, clock, cfg, w, probe, until_finish,
-              max_steps):  # pragma: no cover - jit
+def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, probe,
+              until_finish, max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
     work = np.empty((2, run.shape[0]), dtype=np.int64)
-    out = np.zeros(8, dtype=np.int64)
+    out = np.zeros(OUT_SIZE, dtype=np.int64)
     col = 1 if until_finish else 0
     while np.isnan(stamps[probe, col]):
         if st[K] >= max_steps:
             return STEP_CAP, 0
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk)
         if got < 0:
             return got, out[4]
     return REACHED, 0
 
 
 @njit(cache=True, nogil=True)
-def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, room, target,
-             max_steps):  # pragma: no cover - jit
+def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, rec, cum, rec_t,
+             n_rec, room, target, max_steps):  # pragma: no cover - jit
     """Step and record until the probe room since the queue first drained reaches ``target``.
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
@@ -395,7 +487,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
     Returns (code, recorded count, detail).
     """
     work = np.empty((2, run.shape[0]), dtype=np.int64)
-    out = np.zeros(8, dtype=np.int64)
+    out = np.zeros(OUT_SIZE, dtype=np.int64)
     cap = cfg[CAP]
     while True:
         if room[1] == 1 and room[0] >= target:
@@ -406,7 +498,8 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
             return FULL, n_rec, 0
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, 0.0, 1)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
+                   0.0, 1)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]
@@ -427,15 +520,16 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, rec, cum, rec_t, n_rec, ro
 
 
 @njit(cache=True, nogil=True)
-def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, t_limit, stop_on_finish,
-              noise):  # pragma: no cover - jit
+def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, t_limit,
+              stop_on_finish, noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after
     it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
     finished rows are ``work[0, :out[6]]``), or STUCK (detail: the waiting head's row)."""
     while clock[0] < t_limit:
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, noise)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
+                   noise)
         if got < 0:
             return got, out[4]
         if stop_on_finish and out[6] > 0:

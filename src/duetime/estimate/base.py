@@ -43,7 +43,12 @@ class InstanceStats:
 
 
 class InstanceView(Protocol):
-    """The live state of one instance, as the router sees it."""
+    """The live state of one instance, as the router sees it.
+
+    A view may also carry a ``prefix_index`` attribute (a
+    :class:`~duetime.estimate.prefix_index.PrefixIndex`: its prefix cache as the router knows
+    it); it is not part of the protocol, so read it with
+    :func:`~duetime.estimate.prefix_index.prefix_index_of` (``None`` where absent)."""
 
     @property
     def num_running(self) -> int: ...

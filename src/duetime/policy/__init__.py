@@ -14,6 +14,8 @@ and the registry that names them (``duetime policies`` lists it).
 | ``session-affinity`` | first attempt as ``load-aware``; a session's later attempts stick |
 | ``laar`` | argmin L/Q, L = c(m)(T(x) + alpha R(m)); penalty on models already attempted |
 | ``ttca`` | argmin L/Q over models not yet attempted, L = the engine's end-to-end forecast |
+| ``prefix-load`` | llm-d's default profile: weighted prefix-cache + queue + kv-utilization scores |
+| ``cache-aware`` | SGLang router: least loaded if imbalanced, else best prefix match, else smallest cache |
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import duetime.policy.catalog  # noqa: F401  (registers the policies)
 from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue, load_aware_score
 from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest, utility
+from duetime.policy.cache_aware import CacheAware, PrefixLoad, queue_score
 from duetime.policy.latency import Feasible, LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
 from duetime.policy.registry import (
     INPUTS,
@@ -40,6 +43,7 @@ POLICY_NAMES = policy_names()
 __all__ = [
     "INPUTS",
     "POLICY_NAMES",
+    "CacheAware",
     "Candidate",
     "Decision",
     "ExpectedTtca",
@@ -51,6 +55,7 @@ __all__ = [
     "Param",
     "Policy",
     "PolicyError",
+    "PrefixLoad",
     "RoundRobin",
     "RoutingRequest",
     "SessionAffinity",
@@ -65,5 +70,6 @@ __all__ = [
     "make_policy",
     "policy_class",
     "policy_names",
+    "queue_score",
     "utility",
 ]

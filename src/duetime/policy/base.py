@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -30,6 +31,9 @@ class RoutingRequest:
     ``quality``, ``success`` and ``output_tokens`` are *predictions*, one per candidate (in
     candidate order), filled when the policy declares it consumes them (``None`` otherwise);
     ``ttft_target`` in seconds; ``attempted``: models already tried for this request.
+    ``prompt_hashes``, filled for a policy that consumes ``prefix_cache``: given an instance's KV
+    block size, the chained hashes of the prompt's full blocks (in order; the caller memoises
+    per block size), or ``None`` when unknown (cache-aware policies then match nothing).
     """
 
     id: str
@@ -41,6 +45,7 @@ class RoutingRequest:
     session: str | None = None
     attempted: frozenset[str] = field(default_factory=frozenset)
     success: np.ndarray | None = None
+    prompt_hashes: Callable[[int], Sequence[int]] | None = None
 
 
 @dataclass(slots=True)

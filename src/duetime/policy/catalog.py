@@ -1,6 +1,7 @@
 """The registered policies: one line each (see :mod:`duetime.policy.registry`)."""
 
 from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue
+from duetime.policy.cache_aware import CacheAware, PrefixLoad
 from duetime.policy.latency import LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
 from duetime.policy.registry import register
 from duetime.policy.retry import ExpectedTtca, Laar, SessionAffinity
@@ -16,3 +17,5 @@ register(Lps)
 register(SessionAffinity)
 register(Laar)
 register(ExpectedTtca)
+register(PrefixLoad)
+register(CacheAware)

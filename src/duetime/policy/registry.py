@@ -8,7 +8,9 @@ declares (it polls ``/snapshot`` and steps the shadow replicas for ``snapshot``,
 ``/metrics`` for ``metrics``, asks the predictors for ``quality``, ``success`` or
 ``output_length``) and fills only the declared fields of the
 :class:`~duetime.policy.base.RoutingRequest`: a policy that reads what it did not declare
-fails at once instead of silently reading stale or missing state.
+fails at once instead of silently reading stale or missing state. ``prefix_cache`` is carried
+by the views (a ``prefix_index`` attribute) and the request (``prompt_hashes``); a policy
+given neither matches no prefix and falls back to its load rule.
 
 Adding a policy: write its class (a :class:`~duetime.policy.base.Policy` with ``name``,
 ``summary``, ``params`` and ``consumes``) in a module of this package, and add one line
@@ -32,6 +34,7 @@ STATS = "stats"
 QUALITY = "quality"
 SUCCESS = "success"
 OUTPUT_LENGTH = "output_length"
+PREFIX = "prefix_cache"
 
 INPUTS: dict[str, str] = {
     SNAPSHOT: "each instance's resident requests (a snapshot: published by the instance, or "
@@ -41,6 +44,8 @@ INPUTS: dict[str, str] = {
     QUALITY: "the request's predicted quality per candidate model",
     SUCCESS: "the request's predicted probability of a correct answer per candidate model",
     OUTPUT_LENGTH: "the request's predicted output tokens per candidate model",
+    PREFIX: "each instance's prefix-cache index: precise (the instance's own cache, as KV "
+            "events give it) or estimated (inferred from the router's own routing decisions)",
 }
 
 

@@ -2,7 +2,8 @@
 
 Column by column (numpy), one row per request: arrival time, task, prompt tokens, the output
 length each model *would* produce, the quality each model's answer *would* get (the "truth" of
-a simulation), and the TTFT target.
+a simulation), and the TTFT target. Shared-prefix workloads (``duetime.workload.prefix``) also
+say *which* tokens a prompt holds, as segments, so that a simulator can hash its KV blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ class RequestSet:
     target: np.ndarray          # (n,) TTFT target, seconds
     tasks: list[str]
     models: list[str]
+    # Optional, for prefix caching (None elsewhere): per request, the segments of its prompt,
+    # ((segment id, length), ...) -- equal leading segments = equal leading tokens; see
+    # duetime.workload.prefix.block_hashes. The sum of a request's lengths is its prompt.
+    segments: list[tuple[tuple[int, int], ...]] | None = None
+    session: np.ndarray | None = None         # (n,) int64 session id, -1 if none
+    # (n,) int64: the segment its output tokens form; request i's prompt + answer as model m
+    # gives it is segments[i] + ((answer_segment[i], output[i, m]),)
+    answer_segment: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
