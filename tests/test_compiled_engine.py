@@ -201,3 +201,18 @@ def test_compiled_engine_caches_prefixes_as_the_reference(seed: int) -> None:
         assert fast.free_blocks == ref.free_blocks
         fast.check_invariants()
     assert n_added > 20 and hits > 0
+
+
+def test_the_engine_tells_how_much_of_a_prefix_it_holds() -> None:
+    import dataclasses
+
+    cfg = dataclasses.replace(SchedulerConfig(), enable_prefix_caching=True,
+                              num_gpu_blocks=100, max_model_len=4096)
+    eng = Engine(cfg, PAPER4)
+    eng.add("a", 64, 2, hashes=[11, 12, 13, 14])
+    eng.drain()
+    assert eng.cached_blocks == 4  # its prompt's 4 full blocks (66 tokens: no fifth)
+    assert eng.cached_prefix([11, 12, 13, 99]) == 3
+    assert eng.cached_prefix([12, 13]) == 0
+    plain = Engine(SchedulerConfig(), PAPER4)
+    assert plain.cached_prefix([11]) == 0 and plain.cached_blocks == 0

@@ -599,6 +599,25 @@ class Engine:
         self._changed()
         return int(rows.size)
 
+    def cached_prefix(self, hashes: Sequence[int] | np.ndarray) -> int:
+        """Prefix caching: how many leading blocks of these block keys the instance holds in
+        its cache now (the lookup vLLM makes when it admits a request; 0 without caching).
+        What a router with a precise view of the cache (vLLM's KV events) knows."""
+        if not self.caching:
+            return 0
+        kmap = self._kmap
+        n = 0
+        for k in np.asarray(hashes, dtype=np.int64).tolist():
+            if k not in kmap:
+                break
+            n += 1
+        return n
+
+    @property
+    def cached_blocks(self) -> int:
+        """Prefix caching: blocks registered in the cache (held or free; 0 without caching)."""
+        return int(self._pool[:, 1].sum()) if self.caching else 0
+
     # -- the router's view ------------------------------------------------------------------------
 
     def snapshot(self, time: float | None = None) -> Snapshot:
