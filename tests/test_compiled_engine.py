@@ -213,6 +213,9 @@ def test_the_engine_tells_how_much_of_a_prefix_it_holds() -> None:
     eng.drain()
     assert eng.cached_blocks == 4  # its prompt's 4 full blocks (66 tokens: no fifth)
     assert eng.cached_prefix([11, 12, 13, 99]) == 3
+    eng.add("b", 80, 2, hashes=[11, 12, 13, 14, 15])
+    eng.drain()
+    assert (eng.prefix_queries, eng.prefix_hits) == (64 + 80, 64)
     assert eng.cached_prefix([99, 12]) == 0  # the first miss ends it
     plain = Engine(SchedulerConfig(), PAPER4)
     assert plain.cached_prefix([11]) == 0 and plain.cached_blocks == 0

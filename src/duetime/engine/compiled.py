@@ -614,6 +614,16 @@ class Engine:
         return n
 
     @property
+    def prefix_queries(self) -> int:
+        """Prefix caching: tokens of the requests admitted after a cache lookup, so far."""
+        return int(self._st[kn.PQ])
+
+    @property
+    def prefix_hits(self) -> int:
+        """Prefix caching: of those, the tokens found cached (not computed again), so far."""
+        return int(self._st[kn.PH])
+
+    @property
     def cached_blocks(self) -> int:
         """Prefix caching: blocks registered in the cache (held or free; 0 without caching)."""
         return int(self._pool[:, 1].sum()) if self.caching else 0

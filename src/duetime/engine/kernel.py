@@ -61,8 +61,9 @@ BOFF, KOFF, NKEY, NCACHED, UID, BCAP = 10, 11, 12, 13, 14, 15
 REQ_COLUMNS = 16
 assert HELD == 4
 # st fields (LONE, QUIET: the livelock watch; NINFL: rows in flight; see step())
-K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL = range(8)
-ST_SIZE = 8
+# (PQ, PH: prefix-cache queries and hits so far, in tokens)
+K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL, PQ, PH = range(10)
+ST_SIZE = 10
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
 BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC, CACHING = range(11)
 # step()'s ``out``: see step()
@@ -351,6 +352,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     out[7] = preempted
     out[8] = queried
     out[9] = hit_tokens
+    st[PQ] += queried
+    st[PH] += hit_tokens
     st[NRUN] = nrun
     st[WH] = wh
     st[WC] = wc
