@@ -16,18 +16,34 @@ Medians over snapshots (and probes); ``p90`` of ``first`` shows the spread. The 
 first <= 100 us and further <= 10 us on 200 running / 20 waiting; the released SFS C++
 simulator takes ~1e-4 s per forecast.
 
+A second table times forecasts with prefix caching: snapshots of a live engine whose cache
+holds ``cached`` blocks (of earlier conversations, free to evict) beside 200 running / 20
+waiting requests of tenants that share system prompts; every probe shares one too, with its
+block keys. Such a forecast borrows the engine's cache and replays every probe exactly
+(``first`` and ``further`` alike for now); ``kernel`` is the same replay without caching on
+the same requests, for scale.
+
     python benchmarks/forecast_speed.py [--snapshots N] [--quick] [--async-scheduling]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import statistics
 import time
 
-from duetime.engine import Paper4, SchedulerConfig, Snapshot, forecast, load_profile, replay
+from duetime.engine import (
+    Engine,
+    Paper4,
+    SchedulerConfig,
+    Snapshot,
+    forecast,
+    load_profile,
+    replay,
+)
 from duetime.engine.synthetic import paper_like_snapshot
 
 FURTHER = (16, 512, 2048, 8192, 32768)
@@ -78,6 +94,64 @@ def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int
     return {"rows": rows, "steps": statistics.median(steps)}
 
 
+def caching_engine(model, budget: int, cached: int, seed: int,
+                   asynchronous: bool = False) -> tuple[Engine, list[list[int]]]:
+    """A live engine with caching: ``cached`` blocks left by finished requests, then 200
+    running and 20 waiting requests of 8 tenants (system prompts of 1,000-4,000 tokens)."""
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=200, max_model_len=65536,
+                          block_size=16, num_gpu_blocks=cached + 40_000,
+                          async_scheduling=asynchronous, enable_prefix_caching=True)
+    eng = Engine(cfg, model, retain_finished=False)
+    for i in range(cached // 1000):  # old conversations: 16,000 tokens each, now free
+        eng.add(f"old{i}", 16_000, 1, hashes=[rng.getrandbits(62) for _ in range(1000)])
+    eng.drain()
+    systems = [[rng.getrandbits(62) for _ in range(rng.randint(60, 250))] for _ in range(8)]
+    for i in range(220):
+        keys = rng.choice(systems)
+        p = len(keys) * 16 + int(rng.lognormvariate(5.5, 0.8))
+        out = int(rng.lognormvariate(5.0, 0.8)) + 1
+        keys = keys + [rng.getrandbits(62) for _ in range((p + out) // 16 - len(keys))]
+        eng.add(f"r{i}", p, out, hashes=keys)
+    while eng.num_running < 200 or eng.num_waiting > 20:
+        eng.step()
+    return eng, systems
+
+
+def measure_caching(model, budget: int, n_snapshots: int, cached: int,
+                    asynchronous: bool = False) -> dict:
+    rows: dict[str, list[float]] = {k: [] for k in ("first", "further", "kernel")}
+    steps, held = [], []
+    for seed in range(n_snapshots):
+        eng, systems = caching_engine(model, budget, cached, seed, asynchronous)
+        rng = random.Random(seed)
+        held.append(eng.cached_blocks)
+        snap = eng.snapshot()
+
+        def probe(p: int, rng=rng, systems=systems) -> list[int]:
+            keys = rng.choice(systems)
+            return (keys + [rng.getrandbits(62) for _ in range(p // 16)])[:p // 16]
+
+        keys = probe(1000)
+        t = time.perf_counter()
+        f = forecast(snap, 1000, prompt_hashes=keys)
+        rows["first"].append(time.perf_counter() - t)
+        steps.append(f.steps)
+        for p in FURTHER:
+            keys = probe(p)
+            t = time.perf_counter()
+            forecast(snap, p, prompt_hashes=keys)
+            rows["further"].append(time.perf_counter() - t)
+        plain = Snapshot(dataclasses.replace(snap.config, enable_prefix_caching=False),
+                         snap.model, time=snap.time, running=snap.running_table,
+                         waiting=snap.waiting_table)
+        t = time.perf_counter()
+        replay(plain, 1000)
+        rows["kernel"].append(time.perf_counter() - t)
+    return {"rows": rows, "steps": statistics.median(steps),
+            "cached": statistics.median(held)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--snapshots", type=int, default=30, help="snapshots per setting")
@@ -115,6 +189,21 @@ def main() -> None:
               f"{_us(rows['from_dict']):>9.0f} {first:>7.1f} {_p90(rows['first']):>7.1f} "
               f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>7.1f} "
               f"{_us(rows['oracle']):>8.0f} {_us(rows['oracle']) / first:>11.1f}x")
+
+    print()
+    print("with prefix caching: a live engine's snapshot (200 running, 20 waiting, 8 tenants' "
+          "system prompts); probes share a system prompt; microseconds per call")
+    head = (f"{'model':>6} {'budget':>6} {'cached':>7} {'steps':>5} {'first':>7} {'p90':>7} "
+            f"{'further':>7} {'kernel w/o caching':>18}")
+    print(head)
+    print("-" * len(head))
+    for model, budget in [(sfs6, 8192)] if args.quick else [(sfs6, 8192), (paper4, 8192),
+                                                             (sfs6, 32768)]:
+        got = measure_caching(model, budget, max(2, n // 4), 50_000, args.async_scheduling)
+        rows = got["rows"]
+        print(f"{model.name:>6} {budget:>6} {got['cached']:>7.0f} {got['steps']:>5.0f} "
+              f"{_us(rows['first']):>7.1f} {_p90(rows['first']):>7.1f} "
+              f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>18.1f}")
 
 
 if __name__ == "__main__":

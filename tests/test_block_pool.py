@@ -148,15 +148,18 @@ def test_blocks_are_conserved_under_eviction_and_preemption(asynchronous):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed):
+@pytest.mark.parametrize("logged", [False, True])
+def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed, logged):
     """Random allocations, hits, caching and frees (with duplicate keys) on both forms: the
-    same blocks handed out, the same free queue, the same lookups."""
+    same blocks handed out, the same free queue, the same lookups. Logged for undo (what a
+    forecast does), everything is put back as it was at the end."""
     from duetime.engine import pool_kernel as pk
 
     rng = random.Random(seed)
     n_blocks = rng.choice([8, 30, 100])
     ref = BlockPool(n_blocks)
-    pool, kmap = pk.new_pool(n_blocks), pk.new_key_map()
+    pool, kmap = pk.new_pool(n_blocks), pk.new_key_map(n_blocks)
+    undo = None
     rb = np.zeros(4096, dtype=np.int64)
     rk = np.zeros(0, dtype=np.int64)
     held: list[list[int]] = []  # per live request, its blocks (the same on both sides)
@@ -166,14 +169,14 @@ def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed):
         if op < 0.4 and ref.free_count:
             count = rng.randint(1, ref.free_count)
             want = ref.allocate(count)
-            pk.pool_allocate(pool, kmap, rb, used, count)
+            pk.pool_allocate(pool, kmap, rb, used, count, undo)
             assert rb[used:used + count].tolist() == want
             used += count
             for b in want:
                 if rng.random() < 0.6:
                     key = rng.randint(0, 12)  # few keys: duplicates happen
                     ref.cache(b, key)
-                    pk.pool_cache(pool, kmap, b, key)
+                    pk.pool_cache(pool, kmap, b, key, undo)
             held.append(want)
         elif op < 0.6:
             keys = [rng.randint(0, 12) for _ in range(rng.randint(1, 5))]
@@ -184,7 +187,7 @@ def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed):
             if want and rng.random() < 0.7:
                 assert pk.pool_evictable(pool, rb, used, got) == ref.evictable(want)
                 ref.touch(want)
-                pk.pool_touch(pool, rb, used, got)
+                pk.pool_touch(pool, rb, used, got, undo)
                 held.append(want)
                 used += got
         elif held:
@@ -192,8 +195,45 @@ def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed):
             ref.free(blocks)
             at = used
             rb[at:at + len(blocks)] = blocks
-            pk.pool_release(pool, rb, at, len(blocks))
+            pk.pool_release(pool, rb, at, len(blocks), undo)
         assert pk.queue_of(pool) == ref.queue()
         assert pool[:n_blocks, 0].tolist() == ref.ref
         if used > 3500:
             used = 0
+        if logged and undo is None and rng.random() < 0.05:  # from here on, undoably
+            undo = pk.new_undo(pool, kmap)
+            start, start_keys = pool.copy(), kmap.copy()
+    if undo is not None:
+        pk.undo_all(pool, kmap, undo)
+        assert (pool == start).all() and (kmap == start_keys).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_key_table_is_a_map(seed):
+    """The open-addressing key table against a dict: inserts, updates and deletions (backward
+    shift, wrapping around the end) in a table kept nearly half full; and undone exactly."""
+    from duetime.engine import pool_kernel as pk
+
+    rng = random.Random(seed)
+    table = pk.new_key_map(32)  # 64 slots
+    pool = pk.new_pool(32)
+    want: dict[int, int] = {}
+    undo = None
+    for step in range(3000):
+        k = rng.choice([rng.getrandbits(63) - (1 << 62), rng.randint(-40, 40)])
+        if want and rng.random() < 0.45:
+            k = rng.choice(list(want))
+            pk._key_del(table, k, undo)
+            del want[k]
+        elif len(want) < 32:
+            b = rng.randint(1, 31)
+            pk._key_put(table, k, b, undo)
+            want[k] = b
+        assert pk.key_items(table) == want
+        probe = rng.choice([k, rng.getrandbits(63)])
+        assert pk.key_get(table, probe) == want.get(probe, -1)
+        if step == 1500:
+            undo = pk.new_undo(pool, table)
+            before, before_map = table.copy(), dict(want)
+    pk.undo_all(pool, table, undo)
+    assert (table == before).all() and pk.key_items(table) == before_map

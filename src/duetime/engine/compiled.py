@@ -31,7 +31,15 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import config_array
 from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take, stuck_reason
-from duetime.engine.pool_kernel import new_key_map, new_pool, pool_allocate, queue_of
+from duetime.engine.pool_kernel import (
+    key_match,
+    new_key_map,
+    new_pool,
+    new_undo,
+    pool_allocate,
+    queue_of,
+)
+from duetime.engine.prefix_state import PrefixState
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 
@@ -149,11 +157,12 @@ class Engine:
         self.caching = config.enable_prefix_caching
         if self.caching:
             self._pool = new_pool(config.num_gpu_blocks)
-            self._kmap = new_key_map()
+            self._kmap = new_key_map(config.num_gpu_blocks)
+            self._undo = new_undo(self._pool, self._kmap)  # for forecasts (prefix_state)
             self._rb = np.zeros(1024, dtype=np.int64)
             self._rk = np.zeros(1024, dtype=np.int64)
         else:
-            self._pool, self._kmap, self._rb, self._rk = kn.NO_POOL
+            self._pool, self._kmap, self._rb, self._rk, self._undo = kn.NO_POOL
         self._rb_used = self._rk_used = self._uid = 0
         self._pred = np.zeros(n, dtype=np.int64)  # predicted output length (the router's view)
         self._arrival = np.zeros(n)
@@ -427,7 +436,7 @@ class Engine:
             before = self._req[rows, kn.OUTPUT]
         got = kn.step(self._req, self._stamps, self._run, self._wq, self._st, self._clock,
                       self._cfg, self._w, self._work, self._out, self._pool, self._kmap,
-                      self._rb, self._rk, self.noise)
+                      self._rb, self._rk, None, self.noise)
         out = self._out
         self._raise_if_stuck(got, int(out[4]))
         ids = self._ids
@@ -456,7 +465,7 @@ class Engine:
         step in which requests finished, and returns their ids (else ``[]``)."""
         code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
                                     self._clock, self._cfg, self._w, self._work, self._out,
-                                    self._pool, self._kmap, self._rb, self._rk, t,
+                                    self._pool, self._kmap, self._rb, self._rk, None, t,
                                     stop_on_finish, self.noise)
         self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
@@ -481,7 +490,7 @@ class Engine:
         run[i:nrun - 1] = run[i + 1:nrun].copy()
         self._st[kn.NRUN] = nrun - 1
         if self.caching:
-            self._st[kn.FREE] += kn.release_blocks(self._req, r, self._pool, self._rb)
+            self._st[kn.FREE] += kn.release_blocks(self._req, r, self._pool, self._rb, None)
         else:
             self._st[kn.FREE] += kv_release(self._req, r)
         return True
@@ -548,11 +557,11 @@ class Engine:
             if int(req[r, HELD]) + need > int(req[r, kn.BCAP]):
                 self._place(r, None)
             pool_allocate(self._pool, self._kmap, self._rb, int(req[r, kn.BOFF] + req[r, HELD]),
-                          need)
+                          need, None)
             req[r, HELD] += need
             self._st[kn.FREE] -= need
             kn.register_blocks(req, r, self._pool, self._kmap, self._rb, self._rk, computed,
-                         self.config.block_size)
+                               self.config.block_size, None)
         else:
             self._st[kn.FREE] -= kv_take(req, r, need)
         if self._stamps[r, 0] != self._stamps[r, 0]:
@@ -605,13 +614,7 @@ class Engine:
         What a router with a precise view of the cache (vLLM's KV events) knows."""
         if not self.caching:
             return 0
-        kmap = self._kmap
-        n = 0
-        for k in np.asarray(hashes, dtype=np.int64).tolist():
-            if k not in kmap:
-                break
-            n += 1
-        return n
+        return int(key_match(self._kmap, np.asarray(hashes, dtype=np.int64)))
 
     @property
     def prefix_queries(self) -> int:
@@ -650,10 +653,20 @@ class Engine:
 
         snap = Snapshot(self.config, self.model,
                         time=float(self._clock[0]) if time is None else time,
-                        running=table(rows_r), waiting=table(rows_w))
+                        running=table(rows_r), waiting=table(rows_w),
+                        prefix=self._prefix_state(rows_r, rows_w) if self.caching else None)
         if time is None:
             self._snap = (key, snap)
         return snap
+
+    def _prefix_state(self, rows_r: np.ndarray, rows_w: np.ndarray) -> PrefixState:
+        """The cache behind a snapshot: borrowed, valid while the engine does not change."""
+        rows = np.concatenate((rows_r, rows_w))
+        cols = self._req[rows][:, [kn.BOFF, HELD, kn.NCACHED, kn.KOFF, kn.NKEY, kn.UID]]
+        revision = self.revision
+        return PrefixState(self._pool, self._kmap, self._rb, self._rk, cols,
+                           int(self._st[kn.FREE]), self._uid, self._undo,
+                           lambda: self.revision == revision)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block accounting or the queues are inconsistent

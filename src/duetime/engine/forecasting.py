@@ -23,6 +23,7 @@ tested against the reference loop.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -33,6 +34,7 @@ from duetime.engine import kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import block_shift, blocks_for, stuck_reason
+from duetime.engine.pool_kernel import undo_all
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
 from duetime.engine.scheduler import EngineStuck, ReferenceEngine
@@ -97,14 +99,16 @@ def _weights_array(model: BatchTimeModel) -> np.ndarray:
     return np.array(model.weights, dtype=np.float64)
 
 
-def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None) -> tuple:
+def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None,
+           probe_hashes: Sequence[int] | np.ndarray | None = None) -> tuple:
     """Fresh replay arrays for the snapshot (see :mod:`kernel`); ``probe`` = (prompt, stop)
-    joins the queue's tail. Snapshots of version 1 carry no cache state: forecasts with prefix
-    caching are refused, not silently made without it."""
+    joins the queue's tail (with its block keys ``probe_hashes`` under prefix caching). With
+    prefix caching the replay borrows the cache behind the snapshot
+    (:mod:`duetime.engine.prefix_state`): the caller puts it back with :func:`_give_back`."""
     cfg = snapshot.config
-    if cfg.enable_prefix_caching:
-        raise ForecastError("config.enable_prefix_caching: forecasts do not model prefix "
-                            "caching yet (the engine does: ReferenceEngine, Engine)")
+    if cfg.enable_prefix_caching and snapshot.prefix is None:
+        raise ForecastError("config.enable_prefix_caching: this snapshot carries no cache "
+                            "state (take it from a live engine, or use snapshot version 2)")
     cfg_arr = config_array(cfg)
     run, wait = snapshot.running_table, snapshot.waiting_table
     req, stamps, running, wq, st, clock = kn.prepare(
@@ -118,8 +122,21 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
         st[kn.WC] += 1
+    pool = kn.NO_POOL
+    if snapshot.prefix is not None and cfg.enable_prefix_caching:
+        try:
+            pool = snapshot.prefix.replay_arrays(req, st, cfg.block_size, cfg.max_model_len,
+                                                 probe_hashes)
+        except ValueError as e:
+            raise ForecastError(str(e)) from None
     return (req, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model),
-            *kn.NO_POOL)
+            *pool)
+
+
+def _give_back(state: tuple) -> None:
+    """Put back the cache a replay borrowed (see :func:`_state`)."""
+    if state[12] is not None:
+        undo_all(state[8], state[9], state[12])
 
 
 def _request_id(snapshot: Snapshot, r: int, probe_id: str) -> str:
@@ -172,10 +189,13 @@ def _check_probe(config: SchedulerConfig, prompt_tokens: int,
 
 def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int | None = None,
            until: Until = "first_token", *, reference: bool = False, trace: bool = False,
-           sigma: float = DEFAULT_SIGMA, max_steps: int = DEFAULT_MAX_STEPS) -> Forecast:
+           sigma: float = DEFAULT_SIGMA, max_steps: int = DEFAULT_MAX_STEPS,
+           prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
     """Replay the snapshot with the probe appended, compiled or step by step.
 
-    ``reference=True`` (implied by ``trace``) uses the plain per-request Python loop: the oracle.
+    ``reference=True`` (implied by ``trace``) uses the plain per-request Python loop: the oracle
+    (not with prefix caching: it cannot borrow a live engine's cache). ``prompt_hashes``: the
+    probe's block keys, with prefix caching (else its blocks are its own).
     """
     stop = _check_probe(snapshot.config, prompt_tokens, predicted_output_tokens, until)
     prompt_tokens = int(prompt_tokens)
@@ -186,6 +206,9 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     t0 = 0.0  # replay on a clock relative to the snapshot: no rounding of large epoch times
     what = f"the probe's {until}"
     if reference or trace:
+        if snapshot.config.enable_prefix_caching:
+            raise ForecastError("a traced or reference replay does not model prefix caching "
+                                "from a snapshot; the compiled replay does")
         req = _state(snapshot, sigma)[0]
         n_run, n_wait = len(snapshot.running_table), len(snapshot.waiting_table)
 
@@ -212,8 +235,12 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
         except EngineStuck as e:
             return Forecast(math.inf, eng.steps, steps, reason=str(e))
         return Forecast(getattr(probe, attr) - t0, eng.steps - late, steps)
-    state = _state(snapshot, sigma, (prompt_tokens, stop))
-    code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish", max_steps)
+    state = _state(snapshot, sigma, (prompt_tokens, stop), prompt_hashes)
+    try:
+        code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish",
+                                    max_steps)
+    finally:
+        _give_back(state)
     st = state[4]
     if code == kn.STUCK:
         return Forecast(math.inf, int(st[kn.K]),
@@ -240,7 +267,10 @@ class Forecaster:
         self._full = cfg.scheduler_reserve_full_isl
         self._bs = cfg.block_size
         self._model = snapshot.model
-        self._state = _state(snapshot, sigma)
+        # with prefix caching every probe is replayed exactly (its hits depend on what the
+        # requests ahead cache and evict; a shortcut for it is future work)
+        self._exact = cfg.enable_prefix_caching
+        self._state = None if self._exact else _state(snapshot, sigma)
         self._room = np.zeros(3, dtype=np.int64)  # see kernel.run_base
         self._rec = np.empty((64, 3), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
@@ -277,10 +307,14 @@ class Forecaster:
 
     # -- probes ---------------------------------------------------------------------------------
 
-    def first_token(self, prompt_tokens: int) -> Forecast:
-        """TTFT forecast for a probe of ``prompt_tokens`` tokens at the queue's tail."""
+    def first_token(self, prompt_tokens: int,
+                    prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
+        """TTFT forecast for a probe of ``prompt_tokens`` tokens at the queue's tail
+        (``prompt_hashes``: its block keys, with prefix caching)."""
         _check_probe(self.snapshot.config, prompt_tokens, None, "first_token")
         p = int(prompt_tokens)
+        if self._exact:
+            return self._replay(p, prompt_hashes)
         cap = self._cap
         bs = self._bs
 
@@ -368,9 +402,10 @@ class Forecaster:
             (j - 1) * self._model.intercept)
         return Forecast(t + own, k + j)
 
-    def _replay(self, p: int) -> Forecast:
+    def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None
+                ) -> Forecast:
         return replay(self.snapshot, p, None, "first_token", sigma=self.sigma,
-                      max_steps=self.max_steps)
+                      max_steps=self.max_steps, prompt_hashes=prompt_hashes)
 
 
 def forecaster(snapshot: Snapshot) -> Forecaster:
@@ -382,14 +417,18 @@ def forecaster(snapshot: Snapshot) -> Forecaster:
 
 
 def forecast(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int | None = None,
-             until: Until = "first_token", trace: bool = False) -> Forecast:
+             until: Until = "first_token", trace: bool = False,
+             prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
     """Forecast the probe's TTFT (``until="first_token"``) or end-to-end latency
     (``until="finish"``, needs ``predicted_output_tokens``) from ``snapshot.time``.
 
-    With ``trace=True`` every replayed step is listed (this uses the reference loop).
+    With ``trace=True`` every replayed step is listed (this uses the reference loop). With
+    prefix caching, ``prompt_hashes`` are the probe's block keys (the full blocks of its
+    prompt, as the instance hashes them): its cached prefix is not computed again.
     """
     if trace:
         return replay(snapshot, prompt_tokens, predicted_output_tokens, until, trace=True)
     if until == "first_token":
-        return forecaster(snapshot).first_token(prompt_tokens)
-    return replay(snapshot, prompt_tokens, predicted_output_tokens, until)
+        return forecaster(snapshot).first_token(prompt_tokens, prompt_hashes)
+    return replay(snapshot, prompt_tokens, predicted_output_tokens, until,
+                  prompt_hashes=prompt_hashes)

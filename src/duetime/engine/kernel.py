@@ -80,7 +80,7 @@ STEP_CAP = 3    # max_steps reached
 FINISHED = 4    # run_until: a request finished (asked to stop there)
 
 # the pool arguments of a kernel without prefix caching (see the module doc)
-NO_POOL = (None, None, None, None)
+NO_POOL = (None, None, None, None, None)
 
 # flag bits recorded per base step
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
@@ -138,17 +138,17 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
 
 
 @njit(cache=True, nogil=True)
-def release_blocks(req, r, pool, rb):  # pragma: no cover - jit
+def release_blocks(req, r, pool, rb, undo):  # pragma: no cover - jit
     """Prefix caching: row ``r`` gives back all its blocks; returns how many join the free
     queue."""
-    back = pool_release(pool, rb, req[r, BOFF], req[r, HELD])
+    back = pool_release(pool, rb, req[r, BOFF], req[r, HELD], undo)
     req[r, HELD] = 0
     req[r, NCACHED] = 0
     return back
 
 
 @njit(cache=True, nogil=True)
-def register_blocks(req, r, pool, kmap, rb, rk, tokens, bs):  # pragma: no cover - jit
+def register_blocks(req, r, pool, kmap, rb, rk, tokens, bs, undo):  # pragma: no cover - jit
     """Prefix caching: row ``r``'s full blocks of its first ``tokens`` tokens are registered
     in the cache (those not yet)."""
     full = tokens // bs
@@ -156,13 +156,13 @@ def register_blocks(req, r, pool, kmap, rb, rk, tokens, bs):  # pragma: no cover
     if full > nc:
         boff, koff, nkey, uid = req[r, BOFF], req[r, KOFF], req[r, NKEY], req[r, UID]
         for i in range(nc, full):
-            pool_cache(pool, kmap, rb[boff + i], req_key(rk, koff, nkey, uid, i))
+            pool_cache(pool, kmap, rb[boff + i], req_key(rk, koff, nkey, uid, i), undo)
         req[r, NCACHED] = full
 
 
 @njit(cache=True, nogil=True)
-def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, noise=0.0,
-         extra=0):  # pragma: no cover - jit
+def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, undo,
+         noise=0.0, extra=0):  # pragma: no cover - jit
     """One scheduler step. ``work``: int64 scratch (2, N); ``out`` (int64[OUT_SIZE]) gets
     [budget left after running phase, after admission, free blocks after allocation, flags,
     the waiting head (on STUCK), first tokens, finished, preempted, prefix-cache queries and
@@ -251,7 +251,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
                 nrun -= 1
                 v = run[nrun]
                 if kmap is not None:
-                    free += release_blocks(req, v, pool, rb)
+                    free += release_blocks(req, v, pool, rb, undo)
                 else:
                     free += kv_release(req, v)
                 req[v, COMP] = 0
@@ -293,19 +293,22 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
             if kmap is not None and req[r, COMP] == 0:
                 queried += length
                 if hits > 0:
-                    free -= pool_touch(pool, rb, req[r, BOFF], hits)
+                    free -= pool_touch(pool, rb, req[r, BOFF], hits, undo)
                     req[r, NCACHED] = hits
                     hit_tokens += c
             wh = (wh + 1) % n_q
             wc -= 1
             run[nrun] = r
             nrun += 1
-        if kmap is not None:
-            pool_allocate(pool, kmap, rb, req[r, BOFF] + req[r, HELD], need)
-            req[r, HELD] += need
-            free -= need
+        if kmap is not None:  # (calls only when there is work: each passes the key map)
+            if need > 0:
+                pool_allocate(pool, kmap, rb, req[r, BOFF] + req[r, HELD], need, undo)
+                req[r, HELD] += need
+                free -= need
             known = req[r, PROMPT] + req[r, OUTPUT]
-            register_blocks(req, r, pool, kmap, rb, rk, c + n if c + n < known else known, bs)
+            t = c + n if c + n < known else known
+            if (t >> shift if shift >= 0 else t // bs) > req[r, NCACHED]:
+                register_blocks(req, r, pool, kmap, rb, rk, t, bs, undo)
         else:
             free -= kv_take(req, r, need)
         budget -= n
@@ -390,7 +393,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
                     t = req[r, COMP] - req[r, PEND]
                     if t > req[r, PROMPT] + o:
                         t = req[r, PROMPT] + o
-                    register_blocks(req, r, pool, kmap, rb, rk, t, bs)
+                    if (t >> shift if shift >= 0 else t // bs) > req[r, NCACHED]:
+                        register_blocks(req, r, pool, kmap, rb, rk, t, bs, undo)
                 if o == 1:
                     first[nf] = r
                     nf += 1
@@ -413,7 +417,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
             r = done[j]
             stamps[r, 1] = t_out
             if kmap is not None:
-                free += release_blocks(req, r, pool, rb)
+                free += release_blocks(req, r, pool, rb, undo)
             else:
                 free += kv_release(req, r)
             req[r, DONE] = 1
@@ -459,7 +463,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
 
 
 @njit(cache=True, nogil=True)
-def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, probe,
+def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, probe,
               until_finish, max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
     work = np.empty((2, run.shape[0]), dtype=np.int64)
@@ -470,15 +474,16 @@ def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, probe
             return STEP_CAP, 0
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
-        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk)
+        got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
+                   undo)
         if got < 0:
             return got, out[4]
     return REACHED, 0
 
 
 @njit(cache=True, nogil=True)
-def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, rec, cum, rec_t,
-             n_rec, room, target, max_steps):  # pragma: no cover - jit
+def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, rec, cum,
+             rec_t, n_rec, room, target, max_steps):  # pragma: no cover - jit
     """Step and record until the probe room since the queue first drained reaches ``target``.
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
@@ -502,7 +507,7 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, rec, c
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
         got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
-                   0.0, 1)
+                   undo, 0.0, 1)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]
@@ -523,8 +528,8 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, rec, c
 
 
 @njit(cache=True, nogil=True)
-def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, t_limit,
-              stop_on_finish, noise):  # pragma: no cover - jit
+def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, undo,
+              t_limit, stop_on_finish, noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after
     it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
     finished rows are ``work[0, :out[6]]``), or STUCK (detail: the waiting head's row)."""
@@ -532,7 +537,7 @@ def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
         got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
-                   noise)
+                   undo, noise)
         if got < 0:
             return got, out[4]
         if stop_on_finish and out[6] > 0:

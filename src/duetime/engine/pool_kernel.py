@@ -8,13 +8,24 @@ Layout:
   queue (``P_NXT``, ``P_PRV``; rows ``num_gpu_blocks`` and ``num_gpu_blocks + 1`` are the
   queue's head and tail sentinels) and the next block registered under the same key
   (``P_DUP``, -1 if none: vLLM keeps duplicates, and a lookup takes the first registered);
-* ``kmap``: a numba typed dict, key → the first block registered under it;
+* ``kmap`` (int64, (capacity, 2)): key → the first block registered under it, an
+  open-addressing hash table (linear probing, deletion by backward shift: no tombstones;
+  block 0 marks an empty slot, the null block never holds a key). Its capacity is fixed at
+  twice the blocks or more (a key exists only while a block holds it), so it never grows. A
+  numba typed dict did the same at ~5x the cost per operation, which the forecasts felt;
 * a request's blocks are a slice of the arena ``rb`` and its known block keys a slice of
   ``rk`` (offsets and counts in its row of the kernel's request table; see
   :mod:`duetime.engine.kernel`). A full block past its known keys gets a key of its own made
   from the request's ``uid`` (:func:`own_key`), as the reference form's ``(id, index)``.
 
 Keys are int64 (vLLM's block hashes, or the workloads' 64-bit chained hashes).
+
+A forecast replays on the engine's own pool and key table, then puts them back: every function
+that writes takes ``undo`` — ``None`` for the engine's own steps (numba then compiles the
+function without the bookkeeping), or the engine's undo log (:func:`new_undo`): a pool row or
+table slot is saved before its first change in the replay (marked with the replay's
+generation, so nothing is cleared between replays), and :func:`undo_all` restores them. Time
+and memory are bounded by what the replay touches, not by the size of the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from duetime.engine._jit import njit
 P_REF, P_HAS, P_KEY, P_NXT, P_PRV, P_DUP = range(6)
 POOL_COLUMNS = 6
 OWN_KEY_BLOCKS = 1 << 20  # own keys: -(uid * OWN_KEY_BLOCKS + index) - 1
+_MIX = 0x2545F4914F6CDD1D  # an odd 63-bit multiplier (int64 in numba and in Python alike)
+_LOW48 = (1 << 48) - 1
 
 
 def new_pool(num_blocks: int) -> np.ndarray:
@@ -38,14 +51,38 @@ def new_pool(num_blocks: int) -> np.ndarray:
     return pool
 
 
-def new_key_map():
-    """An empty key → block map (a numba typed dict; a plain dict without numba)."""
-    try:
-        from numba import types
-        from numba.typed import Dict
-    except ImportError:  # pragma: no cover - no numba
-        return {}
-    return Dict.empty(key_type=types.int64, value_type=types.int64)
+def new_key_map(num_blocks: int) -> np.ndarray:
+    """An empty key table for a pool of ``num_blocks`` blocks."""
+    cap = 16
+    while cap < 2 * num_blocks:
+        cap *= 2
+    return np.zeros((cap, 2), dtype=np.int64)
+
+
+def key_items(kmap: np.ndarray) -> dict[int, int]:
+    """The key table as a dict, key → first block (tests)."""
+    used = kmap[:, 1] != 0
+    return dict(zip(kmap[used, 0].tolist(), kmap[used, 1].tolist(), strict=True))
+
+
+# the undo log: one flat int64 array (one argument is cheaper to pass through every call than
+# a tuple of five): a header, then per pool row and per table slot the generation that saved
+# it, then the saved rows (block, its 6 columns) and slots (slot, key, block)
+U_GEN, U_NPOOL, U_NTAB, U_TMARK, U_SPOOL, U_STAB = range(6)
+U_HEAD = 6
+
+
+def new_undo(pool: np.ndarray, kmap: np.ndarray) -> np.ndarray:
+    """The undo log of a pool and its key table (kept with them, reused by every replay; see
+    the module doc)."""
+    n, t = pool.shape[0], kmap.shape[0]
+    tmark = U_HEAD + n
+    spool = tmark + t
+    stab = spool + n * (POOL_COLUMNS + 1)
+    u = np.empty(stab + t * 3, dtype=np.int64)
+    u.fill(0)  # touched now, at the engine's creation: not page by page in a forecast
+    u[U_GEN], u[U_TMARK], u[U_SPOOL], u[U_STAB] = 1, tmark, spool, stab
+    return u
 
 
 def queue_of(pool: np.ndarray) -> list[int]:
@@ -69,17 +106,140 @@ def req_key(rk, koff, nkey, uid, i):  # pragma: no cover - jit
     return rk[koff + i] if i < nkey else own_key(uid, i)
 
 
+@njit(cache=True, nogil=True)
+def _save(pool, b, undo):  # pragma: no cover - jit
+    """Block ``b``'s row is about to change: keep it if this is its first change."""
+    if undo is not None:  # noqa: SIM102 (alone, numba prunes it for undo=None)
+        if undo[U_HEAD + b] != undo[U_GEN]:
+            undo[U_HEAD + b] = undo[U_GEN]
+            at = undo[U_SPOOL] + undo[U_NPOOL] * (POOL_COLUMNS + 1)
+            undo[at] = b
+            for c in range(POOL_COLUMNS):
+                undo[at + 1 + c] = pool[b, c]
+            undo[U_NPOOL] += 1
+
+
+@njit(cache=True, nogil=True)
+def _save_slot(kmap, i, undo):  # pragma: no cover - jit
+    """Table slot ``i`` is about to change: keep it if this is its first change."""
+    if undo is not None:
+        m = undo[U_TMARK] + i
+        if undo[m] != undo[U_GEN]:
+            undo[m] = undo[U_GEN]
+            at = undo[U_STAB] + undo[U_NTAB] * 3
+            undo[at] = i
+            undo[at + 1] = kmap[i, 0]
+            undo[at + 2] = kmap[i, 1]
+            undo[U_NTAB] += 1
+
+
+@njit(cache=True, nogil=True)
+def undo_all(pool, kmap, undo):  # pragma: no cover - jit
+    """Put back every row and slot a replay changed; the next replay starts a new
+    generation."""
+    for j in range(undo[U_NPOOL]):
+        at = undo[U_SPOOL] + j * (POOL_COLUMNS + 1)
+        b = undo[at]
+        for c in range(POOL_COLUMNS):
+            pool[b, c] = undo[at + 1 + c]
+    for j in range(undo[U_NTAB]):
+        at = undo[U_STAB] + j * 3
+        i = undo[at]
+        kmap[i, 0] = undo[at + 1]
+        kmap[i, 1] = undo[at + 2]
+    undo[U_NPOOL] = 0
+    undo[U_NTAB] = 0
+    undo[U_GEN] += 1
+
+
+# -- the key table ---------------------------------------------------------------------------------
+
 @njit(cache=True, nogil=True, inline="always")
-def _unlink(pool, b):  # pragma: no cover - jit
+def _home(k, mask):  # pragma: no cover - jit
+    """A key's home slot (the same in numba's wrapping int64 and in Python's exact ints: only
+    low bits of the product are used)."""
+    h = ((k ^ (k >> 31)) * _MIX) & _LOW48
+    h ^= h >> 24
+    return h & mask
+
+
+@njit(cache=True, nogil=True)
+def key_get(kmap, k):  # pragma: no cover - jit
+    """The first block registered under ``k``, or -1."""
+    mask = kmap.shape[0] - 1
+    i = _home(k, mask)
+    while True:
+        v = kmap[i, 1]
+        if v == 0:
+            return -1
+        if kmap[i, 0] == k:
+            return v
+        i = (i + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _key_put(kmap, k, b, undo):  # pragma: no cover - jit
+    """``k`` → ``b`` (a new key, or a new first block for it)."""
+    mask = kmap.shape[0] - 1
+    i = _home(k, mask)
+    while kmap[i, 1] != 0 and kmap[i, 0] != k:
+        i = (i + 1) & mask
+    _save_slot(kmap, i, undo)
+    kmap[i, 0] = k
+    kmap[i, 1] = b
+
+
+@njit(cache=True, nogil=True)
+def _key_del(kmap, k, undo):  # pragma: no cover - jit
+    """Remove ``k`` (present); later entries of its probe run shift back into the gap."""
+    mask = kmap.shape[0] - 1
+    i = _home(k, mask)
+    while kmap[i, 0] != k or kmap[i, 1] == 0:
+        i = (i + 1) & mask
+    _save_slot(kmap, i, undo)
+    kmap[i, 1] = 0
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if kmap[j, 1] == 0:
+            return
+        h = _home(kmap[j, 0], mask)
+        # the entry at j may fill the gap at i unless its home lies cyclically in (i, j]
+        if (i <= j and (h <= i or h > j)) or (i > j and h <= i and h > j):
+            _save_slot(kmap, j, undo)
+            kmap[i, 0] = kmap[j, 0]
+            kmap[i, 1] = kmap[j, 1]
+            kmap[j, 1] = 0
+            i = j
+
+
+@njit(cache=True, nogil=True)
+def key_match(kmap, keys):  # pragma: no cover - jit
+    """How many leading ``keys`` the table holds."""
+    for i in range(keys.shape[0]):
+        if key_get(kmap, keys[i]) < 0:
+            return i
+    return keys.shape[0]
+
+
+# -- the free queue and the pool ------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _unlink(pool, b, undo):  # pragma: no cover - jit
     p = pool[b, P_PRV]
     n = pool[b, P_NXT]
+    _save(pool, p, undo)
+    _save(pool, n, undo)
     pool[p, P_NXT] = n
     pool[n, P_PRV] = p
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _insert_after(pool, p, b):  # pragma: no cover - jit
+@njit(cache=True, nogil=True)
+def _insert_after(pool, p, b, undo):  # pragma: no cover - jit
     n = pool[p, P_NXT]
+    _save(pool, p, undo)
+    _save(pool, b, undo)
+    _save(pool, n, undo)
     pool[p, P_NXT] = b
     pool[b, P_PRV] = p
     pool[b, P_NXT] = n
@@ -87,56 +247,60 @@ def _insert_after(pool, p, b):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True)
-def _evict(pool, kmap, b):  # pragma: no cover - jit
+def _evict(pool, kmap, b, undo):  # pragma: no cover - jit
     """Block ``b`` leaves the cache (it is being reused)."""
     k = pool[b, P_KEY]
-    first = kmap[k]
+    first = key_get(kmap, k)
+    _save(pool, b, undo)
     if first == b:
         nxt = pool[b, P_DUP]
         if nxt < 0:
-            del kmap[k]
+            _key_del(kmap, k, undo)
         else:
-            kmap[k] = nxt
+            _key_put(kmap, k, nxt, undo)
     else:
         p = first
         while pool[p, P_DUP] != b:
             p = pool[p, P_DUP]
+        _save(pool, p, undo)
         pool[p, P_DUP] = pool[b, P_DUP]
     pool[b, P_DUP] = -1
     pool[b, P_HAS] = 0
 
 
 @njit(cache=True, nogil=True)
-def pool_allocate(pool, kmap, rb, at, count):  # pragma: no cover - jit
+def pool_allocate(pool, kmap, rb, at, count, undo):  # pragma: no cover - jit
     """``rb[at:at + count]`` = blocks from the head of the free queue, each evicted from the
     cache if it held a key, each held once (the caller checked the free count and subtracts
     ``count`` from it)."""
     head = pool.shape[0] - 2
     for j in range(count):
         b = pool[head, P_NXT]
-        _unlink(pool, b)
+        _unlink(pool, b, undo)
         if pool[b, P_HAS]:
-            _evict(pool, kmap, b)
+            _evict(pool, kmap, b, undo)
+        _save(pool, b, undo)
         pool[b, P_REF] = 1
         rb[at + j] = b
 
 
 @njit(cache=True, nogil=True)
-def pool_touch(pool, rb, at, count):  # pragma: no cover - jit
+def pool_touch(pool, rb, at, count, undo):  # pragma: no cover - jit
     """Hit blocks ``rb[at:at + count]`` get one more holder; returns how many had none (they
     leave the free queue: subtract from the free count)."""
     left = 0
     for j in range(count):
         b = rb[at + j]
         if pool[b, P_REF] == 0:
-            _unlink(pool, b)
+            _unlink(pool, b, undo)
             left += 1
+        _save(pool, b, undo)
         pool[b, P_REF] += 1
     return left
 
 
 @njit(cache=True, nogil=True)
-def pool_release(pool, rb, at, count):  # pragma: no cover - jit
+def pool_release(pool, rb, at, count, undo):  # pragma: no cover - jit
     """A request gives back its blocks ``rb[at:at + count]`` (freed last-first): one nobody
     holds any more goes to the front of the queue without a key, to the tail with one.
     Returns how many joined the queue (add to the free count)."""
@@ -145,30 +309,33 @@ def pool_release(pool, rb, at, count):  # pragma: no cover - jit
     back = 0
     for j in range(count - 1, -1, -1):
         b = rb[at + j]
+        _save(pool, b, undo)
         pool[b, P_REF] -= 1
         if pool[b, P_REF] == 0:
             back += 1
             if pool[b, P_HAS]:
-                _insert_after(pool, pool[tail, P_PRV], b)
+                _insert_after(pool, pool[tail, P_PRV], b, undo)
             else:
-                _insert_after(pool, p, b)
+                _insert_after(pool, p, b, undo)
                 p = b
     return back
 
 
 @njit(cache=True, nogil=True)
-def pool_cache(pool, kmap, b, key):  # pragma: no cover - jit
+def pool_cache(pool, kmap, b, key, undo):  # pragma: no cover - jit
     """Register full block ``b`` (no key yet) under ``key``, after any block that has it."""
+    _save(pool, b, undo)
     pool[b, P_KEY] = key
     pool[b, P_HAS] = 1
     pool[b, P_DUP] = -1
-    if key in kmap:
-        p = kmap[key]
+    p = key_get(kmap, key)
+    if p >= 0:
         while pool[p, P_DUP] >= 0:
             p = pool[p, P_DUP]
+        _save(pool, p, undo)
         pool[p, P_DUP] = b
     else:
-        kmap[key] = b
+        _key_put(kmap, key, b, undo)
 
 
 @njit(cache=True, nogil=True)
@@ -176,10 +343,10 @@ def pool_lookup(kmap, rk, koff, nkey, uid, n, rb, at):  # pragma: no cover - jit
     """The longest cached run of a request's first ``n`` full blocks: written to
     ``rb[at:]``; returns its length."""
     for i in range(n):
-        k = req_key(rk, koff, nkey, uid, i)
-        if k not in kmap:
+        b = key_get(kmap, req_key(rk, koff, nkey, uid, i))
+        if b < 0:
             return i
-        rb[at + i] = kmap[k]
+        rb[at + i] = b
     return n
 
 

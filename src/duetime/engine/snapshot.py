@@ -20,6 +20,7 @@ from typing_extensions import TypedDict
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import held_blocks
+from duetime.engine.prefix_state import PrefixState
 
 SNAPSHOT_VERSION = 1
 
@@ -146,13 +147,17 @@ def _format_error(err: ValidationError) -> str:
 class Snapshot:
     """An instance's scheduler config, batch-time model and resident requests at ``time``."""
 
-    __slots__ = ("__weakref__", "_cache", "config", "model", "running_table", "time",
+    __slots__ = ("__weakref__", "_cache", "config", "model", "prefix", "running_table", "time",
                  "waiting_table")
 
     def __init__(self, config: SchedulerConfig, model: BatchTimeModel, *, time: float = 0.0,
                  running: Sequence[ResidentRequest] | RequestTable = (),
-                 waiting: Sequence[ResidentRequest] | RequestTable = ()) -> None:
+                 waiting: Sequence[ResidentRequest] | RequestTable = (),
+                 prefix: PrefixState | None = None) -> None:
+        """``prefix``: with prefix caching, the cache state behind the requests (a live
+        engine's, borrowed: :mod:`duetime.engine.prefix_state`)."""
         self.config = config
+        self.prefix = prefix
         self.model = model
         self.time = float(time)
         self.running_table = running if isinstance(running, RequestTable) else (
@@ -293,16 +298,20 @@ class Snapshot:
             return RequestTable(t.ids, t.prompt, t.computed, t.output, t.predicted,
                                 t.arrival + dt)
         return Snapshot(self.config, self.model, time=self.time + dt,
-                        running=shift(self.running_table), waiting=shift(self.waiting_table))
+                        running=shift(self.running_table), waiting=shift(self.waiting_table),
+                        prefix=self.prefix)
 
     def at(self, time: float) -> Snapshot:
         """The same requests dated ``time`` (a forecast then counts from ``time``, as if nothing
         progressed since this snapshot)."""
         return Snapshot(self.config, self.model, time=time, running=self.running_table,
-                        waiting=self.waiting_table)
+                        waiting=self.waiting_table, prefix=self.prefix)
 
     def to_dict(self) -> dict[str, Any]:
         """The public JSON form."""
+        if self.config.enable_prefix_caching:
+            raise SnapshotError("snapshot: the JSON form (version 1) cannot carry the prefix "
+                                "cache; a snapshot with prefix caching stays in process")
         return {"version": SNAPSHOT_VERSION, "time": self.time, "config": self.config.to_dict(),
                 "batch_time": self.model.to_dict(),
                 "running": [r.to_dict() for r in self.running],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,9 +73,17 @@ class InstanceView(Protocol):
     def snapshot(self) -> Snapshot: ...
 
 
+# a request's prompt block keys for a block size (see RoutingRequest.prompt_hashes)
+PromptHashes = Callable[[int], Sequence[int]]
+
+
 class Estimator(Protocol):
     """Forecast seconds from ``now`` until a new request's first token at an instance."""
 
     name: str
 
-    def ttft(self, view: InstanceView, prompt_tokens: int, now: float) -> float: ...
+    def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
+             hashes: PromptHashes | None = None) -> float:
+        """``hashes``: the request's prompt block keys for a block size (with prefix caching,
+        an estimator that replays the cache uses them; the others ignore them)."""
+        ...

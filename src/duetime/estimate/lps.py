@@ -15,7 +15,7 @@ concurrency it can hold, min(max_num_seqs, KV tokens / mean (prompt + output)).
 
 from __future__ import annotations
 
-from duetime.estimate.base import InstanceView
+from duetime.estimate.base import InstanceView, PromptHashes
 
 SATURATED_S = 60.0  # the forecast of an instance whose arrivals exceed its capacity
 
@@ -26,7 +26,8 @@ class LpsEstimator:
     def __init__(self, k: float | None = None) -> None:
         self.k = k
 
-    def ttft(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
+    def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
+             hashes: PromptHashes | None = None) -> float:
         s = view.stats
         snap = view.snapshot()
         model, cfg = snap.model, snap.config

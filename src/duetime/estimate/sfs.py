@@ -2,31 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from duetime.engine.forecasting import ForecastError, forecast
-from duetime.estimate.base import InstanceView
+from duetime.engine.snapshot import Snapshot
+from duetime.estimate.base import InstanceView, PromptHashes
+
+
+def _keys(snap: Snapshot, hashes: PromptHashes | None) -> Sequence[int] | None:
+    """The prompt's block keys at the instance's block size, if it caches prefixes."""
+    if hashes is None or not snap.config.enable_prefix_caching:
+        return None
+    return hashes(snap.config.block_size)
 
 
 class SfsEstimator:
     name = "sfs"
 
-    def ttft(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
+    def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
+             hashes: PromptHashes | None = None) -> float:
         """Seconds from ``now`` to a new request's first token (inf if it cannot be served
-        there: too long, KV too small)."""
+        there: too long, KV too small). With prefix caching the replay prices the prompt's
+        cached blocks (``hashes``) and what the requests ahead cache and evict."""
         snap = view.snapshot()
         try:
-            est = forecast(snap, prompt_tokens).estimate_s
+            est = forecast(snap, prompt_tokens,
+                           prompt_hashes=_keys(snap, hashes)).estimate_s
         except ForecastError:
             return float("inf")
         return est + (snap.time - now) + view.request_overhead_s
 
     def e2e(self, view: InstanceView, prompt_tokens: int, output_tokens: int,
-            now: float) -> float:
+            now: float, *, hashes: PromptHashes | None = None) -> float:
         """Seconds from ``now`` until a new request of ``output_tokens`` output tokens finishes
         (the replay until its end; inf if it cannot be served there). Like the TTCA router has
         always done, it counts engine time only (no request overhead)."""
         snap = view.snapshot()
         try:
-            return forecast(snap, prompt_tokens, output_tokens,
-                            until="finish").estimate_s + (snap.time - now)
+            return forecast(snap, prompt_tokens, output_tokens, until="finish",
+                            prompt_hashes=_keys(snap, hashes)).estimate_s + (snap.time - now)
         except ForecastError:
             return float("inf")

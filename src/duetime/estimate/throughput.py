@@ -9,7 +9,7 @@ import numpy as np
 
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.estimate.base import InstanceView
+from duetime.estimate.base import InstanceView, PromptHashes
 
 
 @lru_cache(maxsize=64)
@@ -32,7 +32,8 @@ class ThroughputEstimator:
 
     name = "throughput"
 
-    def ttft(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
+    def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
+             hashes: PromptHashes | None = None) -> float:
         snap = view.snapshot()
         prefill_rate, decode_step_s = profile_rates(snap.model, snap.config)
         queued = 0

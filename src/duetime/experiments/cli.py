@@ -16,7 +16,22 @@ from duetime.experiments.catalog import EXPERIMENTS, run_experiment
 from duetime.experiments.runner import Point, Runner
 from duetime.policy import PolicyError, check_params, policy_names
 from duetime.sim import SimResult
-from duetime.workload import ProfileError, builtin_profiles, load_trace, load_workload
+from duetime.sim.cache_view import CACHE_VIEWS
+from duetime.workload import (
+    ProfileError,
+    RequestSet,
+    WorkloadProfile,
+    builtin_profiles,
+    load_mooncake_trace,
+    load_trace,
+    load_workload,
+    make_arrivals,
+    multi_turn,
+    shared_prefix,
+    tenants,
+)
+
+PREFIX_WORKLOADS = ("multi-turn", "tenants", "shared-prefix")
 
 
 def _log(msg: str) -> None:
@@ -69,11 +84,14 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
         profile = load_workload(args.workload)
     except ProfileError as e:
         raise error(str(e)) from None
-    if not args.trace and args.requests is None:
-        raise error("--requests is required (unless --trace replays a file)")
-    if not args.trace and args.clients is None and args.rate is None:
-        raise error("--rate is required (unless --trace replays a file or --clients runs a "
-                    "closed loop)")
+    replay = args.trace or args.mooncake
+    if sum(1 for x in (args.trace, args.mooncake, args.prefix_workload) if x) > 1:
+        raise error("give at most one of --trace, --mooncake, --prefix-workload")
+    if not replay and args.requests is None:
+        raise error("--requests is required (unless --trace or --mooncake replays a file)")
+    if not replay and args.clients is None and args.rate is None:
+        raise error("--rate is required (unless --trace or --mooncake replays a file or "
+                    "--clients runs a closed loop)")
     if (args.rate is not None and args.rate <= 0) or (args.requests is not None
                                                       and args.requests < 1):
         raise error("--rate must be > 0 and --requests >= 1")
@@ -81,19 +99,24 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     args.requests = args.requests or 1
     runner = Runner(profile, seed=args.seed, noise=args.noise,
                     length_error=args.length_error, quality=args.quality,
-                    charge_overhead=args.charge_overhead)
+                    charge_overhead=args.charge_overhead, prefix_caching=args.prefix_caching,
+                    cache_view=args.cache_view)
     try:
         params = check_params(args.policy, dict(args.policy_param or ()), "--policy-param")
     except PolicyError as e:
         raise error(str(e).replace("--policy-param.", "--policy-param ")) from None
     point = Point(args.policy, args.rate, args.requests, args.arrivals, delta=args.delta,
                   params=tuple(params.items()))
-    if args.trace:
-        try:
-            runner.set_stream(point, load_trace(args.trace, profile,
-                                                np.random.default_rng(args.seed)))
-        except ProfileError as e:
-            raise error(str(e)) from None
+    rng = np.random.default_rng(args.seed)
+    try:
+        if args.trace:
+            runner.set_stream(point, load_trace(args.trace, profile, rng))
+        elif args.mooncake:
+            runner.set_stream(point, load_mooncake_trace(args.mooncake, profile, rng))
+        elif args.prefix_workload:
+            runner.set_stream(point, _prefix_stream(args.prefix_workload, profile, point, rng))
+    except ProfileError as e:
+        raise error(str(e)) from None
     row, res = runner.run(point, closed_loop=args.clients)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,11 +124,32 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     _write_requests(out / "requests.csv", res)
     summary: dict[str, Any] = dict(row, workload=profile.name, seed=args.seed,
                                    realtime_factor=row["simulated_s"] / row["wall_s"])
+    cols = ["router", "rate", "requests", "mean_ttft_s", "p95_ttft_s", "on_time", "utility",
+            "ontime_utility", "wall_s", "simulated_s"]
+    per_instance = res.instance_cache_hit_rate
+    if per_instance is not None:  # some instance caches prefixes
+        summary["cache_view"] = args.cache_view
+        summary["cache_hit_rate_by_instance"] = {
+            name: None if np.isnan(r) else float(r)
+            for name, r in zip(res.instance_names, per_instance.tolist(), strict=True)}
+        cols.insert(cols.index("wall_s"), "cache_hit_rate")
     rp.write_json(out / "summary.json", summary)
-    print(rp.md_table([row], ["router", "rate", "requests", "mean_ttft_s", "p95_ttft_s",
-                              "on_time", "utility", "ontime_utility", "wall_s",
-                              "simulated_s"]), end="")
+    print(rp.md_table([row], cols), end="")
     return 0
+
+
+def _prefix_stream(kind: str, profile: WorkloadProfile, point: Point,
+                   rng: np.random.Generator) -> RequestSet:
+    """A shared-prefix request stream drawn by one of the generators of
+    :mod:`duetime.workload.prefix` with its defaults: ``point.requests`` requests at
+    ``point.rate`` (for ``multi-turn``: sessions started per second, and the first
+    ``point.requests`` turns in arrival order)."""
+    arrivals = make_arrivals(point.arrivals, point.rate)
+    if kind == "multi-turn":
+        return multi_turn(profile, arrivals, rng, n_sessions=point.requests).head(point.requests)
+    if kind == "tenants":
+        return tenants(profile, arrivals, point.requests, rng)
+    return shared_prefix(profile, arrivals, point.requests, rng)
 
 
 def _write_requests(path: Path, res: SimResult) -> None:
@@ -174,6 +218,25 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--clients", type=int, default=None, metavar="N",
                    help="closed loop: N clients, each sending its next request when the "
                    "previous one finishes (arrival times are then ignored)")
+    p.add_argument("--prefix-workload", choices=PREFIX_WORKLOADS, default=None,
+                   help="draw a shared-prefix stream (prompts described by segments, so that "
+                   "instances with prefix caching can share their KV blocks) with a generator "
+                   "of duetime.workload.prefix and its defaults: multi-turn (chat sessions; "
+                   "--rate is then sessions per second), tenants (16 system prompts of 1000 "
+                   "tokens, Zipf popularity) or shared-prefix (inference-perf's groups x "
+                   "prompts)")
+    p.add_argument("--mooncake", metavar="FILE", default=None,
+                   help="replay a Mooncake trace (JSONL: timestamp, input_length, "
+                   "output_length, hash_ids; shared blocks become shared prefixes)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="turn vLLM's automatic prefix caching on (or off) on every instance "
+                   "(default: as the workload profile's engine configs say; the built-in "
+                   "profiles have it off). Only streams with segments (--prefix-workload, "
+                   "--mooncake) share blocks")
+    p.add_argument("--cache-view", choices=CACHE_VIEWS, default="precise",
+                   help="what cache-aware routers (prefix-load, cache-aware) know of a caching "
+                   "instance's cache: precise (its own, as vLLM's KV events give it; default) "
+                   "or estimated (learnt from the router's own decisions)")
     p.add_argument("--charge-overhead", action="store_true",
                    help="delay each request by the measured routing time")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")

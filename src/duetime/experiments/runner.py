@@ -45,6 +45,8 @@ class Runner:
     length_error: float = 0.3
     quality: str = "table"
     charge_overhead: bool = False
+    prefix_caching: bool | None = None   # None: as the profile's configs say
+    cache_view: str = "precise"
     _streams: dict[tuple, RequestSet] = field(default_factory=dict)
 
     @staticmethod
@@ -70,7 +72,8 @@ class Runner:
             "lambda": self.profile.lam, "seed": self.seed, "delta": p.delta})
         sim = ClusterSim(self.profile, policy, noise=self.noise,
                          length_error=self.length_error, quality=self.quality, seed=self.seed,
-                         charge_overhead=self.charge_overhead, shadow_estimators=shadow)
+                         charge_overhead=self.charge_overhead, shadow_estimators=shadow,
+                         prefix_caching=self.prefix_caching, cache_view=self.cache_view)
         res = sim.run(self.requests(p), closed_loop=closed_loop)
         row: dict[str, Any] = {"router": p.name, "rate": p.rate, "arrivals": p.arrivals}
         if closed_loop is not None:

@@ -4,7 +4,9 @@
 * utility = realised quality - lambda * realised cost (micro-dollars);
 * OnTimeUtility = mean over all requests of utility x 1{on time};
 * AUC of OnTimeUtility over a sweep of arrival rates (trapezoid rule over the rates);
-* forecast MAPE = mean |forecast - realised TTFT| / realised TTFT.
+* forecast MAPE = mean |forecast - realised TTFT| / realised TTFT;
+* cache hit rate (with prefix caching) = prompt tokens found cached / prompt tokens looked up,
+  over every instance of the pool (vLLM's prefix_cache_hits / prefix_cache_queries).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ def summarize(res: SimResult) -> dict[str, Any]:
     mape = forecast_mape(res.forecast, ttft)
     if mape is not None:
         out["forecast_mape"] = mape
+    hit = res.cache_hit_rate
+    if hit is not None:
+        out["cache_hit_rate"] = hit
     return out
 
 

@@ -31,9 +31,11 @@ class RoutingRequest:
     ``quality``, ``success`` and ``output_tokens`` are *predictions*, one per candidate (in
     candidate order), filled when the policy declares it consumes them (``None`` otherwise);
     ``ttft_target`` in seconds; ``attempted``: models already tried for this request.
-    ``prompt_hashes``, filled for a policy that consumes ``prefix_cache``: given an instance's KV
-    block size, the chained hashes of the prompt's full blocks (in order; the caller memoises
-    per block size), or ``None`` when unknown (cache-aware policies then match nothing).
+    ``prompt_hashes``: given an instance's KV block size, the chained hashes of the prompt's
+    full blocks (in order; the caller memoises per block size and computes lazily), or ``None``
+    when unknown (cache-aware policies then match nothing); the simulator fills it for every
+    policy whenever its request set describes prompts by segments. ``session``: the session (a
+    conversation, tenant or query being retried) the request belongs to, if known.
     """
 
     id: str

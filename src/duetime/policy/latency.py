@@ -60,7 +60,8 @@ class Feasible(Policy):
         # Best utility first; forecast lazily until one meets the target.
         forecasts = np.full(len(cands), np.inf)
         for i in np.argsort(-u, kind="stable").tolist():
-            forecasts[i] = self.estimator.ttft(cands[i].view, req.prompt_tokens, now)
+            forecasts[i] = self.estimator.ttft(cands[i].view, req.prompt_tokens, now,
+                                               hashes=req.prompt_hashes)
             if forecasts[i] <= req.ttft_target:
                 return Decision(i, float(forecasts[i]))
         i = int(np.argmin(forecasts))
@@ -122,7 +123,8 @@ class SoftSfs(Policy):
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         u = utility(req, cands, self.lam)
-        f = np.array([self.estimator.ttft(c.view, req.prompt_tokens, now) for c in cands])
+        f = np.array([self.estimator.ttft(c.view, req.prompt_tokens, now,
+                                          hashes=req.prompt_hashes) for c in cands])
         score = u - self.delta * np.minimum(f, 1e6) * 1e6
         i = self._argmax_random(score)
         return Decision(i, float(f[i]))

@@ -93,7 +93,8 @@ class ExpectedTtca(Policy):
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         assert req.success is not None
         lat = np.array([self.estimator.e2e(c.view, req.prompt_tokens, int(req.output_tokens[i]),
-                                           now) for i, c in enumerate(cands)])
+                                           now, hashes=req.prompt_hashes)
+                        for i, c in enumerate(cands)])
         fresh = np.array([c.model not in req.attempted for c in cands])
         if not fresh.any():
             i = int(np.argmin(lat))

@@ -9,20 +9,29 @@ time order (open loop) or from N clients (closed loop, :mod:`duetime.sim.loop`);
 routing decision every instance is stepped up to the arrival time; the chosen instance queues
 the request at its next step boundary. At the end every instance runs until idle, so no
 request is lost: each one has a first token and a finish.
+
+Prefix caching (``prefix_caching``, or the instance specs' own configs): when the request set
+describes its prompts by segments (:mod:`duetime.workload.prefix`), each request is added to its
+instance with the block hashes of its prompt and answer, so that later requests sharing a prefix
+hit the instance's cache; the router is given the prompt's hashes (``RoutingRequest.
+prompt_hashes``) and each instance's cache as a precise or an estimated index
+(:mod:`duetime.sim.cache_view`). The result counts the cache's hits as vLLM does.
 """
 
 from __future__ import annotations
 
 import time as wallclock
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from duetime.engine.spec import InstanceSpec
 from duetime.estimate.base import Estimator
 from duetime.policy.base import Candidate, Policy, RoutingRequest
 from duetime.policy.registry import QUALITY, SUCCESS
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
+from duetime.sim.cache_view import PromptHashes, check_cache_view, engine_hashes
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
 from duetime.workload.profile import WorkloadProfile
@@ -48,6 +57,11 @@ class SimResult:
     lam: float = 5.0e-4
     prices: np.ndarray | None = None  # (models, 2): USD per Mtok, prompt and output
     wall_s: float = 0.0
+    # prefix caching, per instance (None when no instance caches): tokens of the requests
+    # admitted after a cache lookup, and of those the tokens found cached (vLLM's
+    # prefix_cache_queries / prefix_cache_hits counters)
+    prefix_queries: np.ndarray | None = None
+    prefix_hits: np.ndarray | None = None
 
     @property
     def model(self) -> np.ndarray:
@@ -72,13 +86,34 @@ class SimResult:
         return p[:, 0] * self.requests.prompt + p[:, 1] * self.output_tokens
 
     @property
+    def cache_hit_rate(self) -> float | None:
+        """Prefix-cache hit rate over the pool: cached prompt tokens / prompt tokens looked up
+        (Σ hits / Σ queries over the instances, as vLLM's ``prefix_cache_hits`` /
+        ``prefix_cache_queries``; 0 with no lookup); ``None`` when no instance caches."""
+        if self.prefix_queries is None or self.prefix_hits is None:
+            return None
+        q = int(self.prefix_queries.sum())
+        return float(self.prefix_hits.sum()) / q if q else 0.0
+
+    @property
+    def instance_cache_hit_rate(self) -> np.ndarray | None:
+        """The hit rate per instance (NaN where an instance looked nothing up, e.g. without
+        caching); ``None`` when no instance caches."""
+        if self.prefix_queries is None or self.prefix_hits is None:
+            return None
+        q = self.prefix_queries.astype(float)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(q > 0, self.prefix_hits / q, np.nan)
+
+    @property
     def simulated_s(self) -> float:
         return float(np.nanmax(self.finish) - self.requests.arrival[0]) if len(self.finish) else 0.0
 
 
 def _closed_loop_times(requests: RequestSet) -> RequestSet:
     return RequestSet(np.zeros(len(requests)), requests.task, requests.prompt, requests.output,
-                      requests.quality, requests.target, requests.tasks, requests.models)
+                      requests.quality, requests.target, requests.tasks, requests.models,
+                      requests.segments, requests.session, requests.answer_segment)
 
 
 class ClusterSim:
@@ -90,14 +125,23 @@ class ClusterSim:
                  seed: int = 0,
                  charge_overhead: bool = False,
                  shadow_estimators: tuple[Estimator, ...] = (),
-                 length_model: LengthModel | None = None) -> None:
-        """``instances``: (instance name, model name) pairs; default one per model.
+                 length_model: LengthModel | None = None,
+                 prefix_caching: bool | None = None, cache_view: str = "precise") -> None:
+        """``instances``: (instance name, model name) pairs; default one per model (several
+        pairs may name one model: replicas).
         ``quality``: ``table`` (per-task mean accuracy), ``oracle`` (the truth), or any
         :class:`~duetime.predict.QualitySource` (asked with each request's task and id).
         ``length_model``: predicted output lengths, (requests, rng) -> (n, models) array; by
-        default the truth x U(1 - length_error, 1 + length_error)."""
+        default the truth x U(1 - length_error, 1 + length_error).
+        ``prefix_caching``: True / False turns the engines' automatic prefix caching on / off
+        on every instance; ``None`` keeps what each model's config says.
+        ``cache_view``: what the router knows of a caching instance's cache, ``precise`` (the
+        instance's own) or ``estimated`` (learnt from its own routing decisions)."""
         if not isinstance(quality, QualitySource) and quality not in ("table", "oracle"):
             raise ValueError(f"quality: 'table', 'oracle' or a QualitySource, got {quality!r}")
+        if prefix_caching is not None and not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching: True, False or None, got {prefix_caching!r}")
+        check_cache_view(cache_view)
         self.profile = profile
         self.policy = policy
         pairs = instances or [(m, m) for m in profile.model_names]
@@ -113,6 +157,16 @@ class ClusterSim:
         self.charge_overhead = charge_overhead
         self.shadow_estimators = shadow_estimators
         self.length_model = length_model
+        self.prefix_caching = prefix_caching
+        self.cache_view = cache_view
+
+    def spec(self, model: str) -> InstanceSpec:
+        """The spec an instance of ``model`` runs (its profile's, with ``prefix_caching``)."""
+        spec = self.profile.models[model]
+        on = self.prefix_caching
+        if on is None or spec.config.enable_prefix_caching == on:
+            return spec
+        return replace(spec, config=replace(spec.config, enable_prefix_caching=on))
 
     def run(self, requests: RequestSet, *, closed_loop: int | None = None) -> SimResult:
         """Route ``requests`` in arrival order (open loop), or with ``closed_loop`` = N
@@ -126,7 +180,8 @@ class ClusterSim:
             raise ValueError("the request set was drawn for other models than the profile's")
         from duetime.engine import kernel
         kernel.seed(self.seed)
-        insts = [SimInstance(name, prof.models[m], noise=self.noise) for name, m in self.pairs]
+        insts = [SimInstance(name, self.spec(m), noise=self.noise, cache_view=self.cache_view)
+                 for name, m in self.pairs]
         inst_model = [models.index(m) for _, m in self.pairs]
         n = len(requests)
         if self.length_model is None:
@@ -156,27 +211,39 @@ class ClusterSim:
         forecast = np.full(n, np.nan)
         shadow = {est.name: np.full(n, np.nan) for est in self.shadow_estimators}
         overhead = np.zeros(n)
+        shared = requests.segments is not None  # else each request's blocks are its own
+        sessions = requests.session
 
         def dispatch(i: int, t: float) -> None:
             """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``)."""
             for inst in insts:
                 inst.now = t
+            session = None
+            if sessions is not None and sessions[i] >= 0:
+                session = str(int(sessions[i]))
             req = RoutingRequest(str(i), int(requests.prompt[i]),
                                  None if pred_q is None else pred_q[i, cand_model],
                                  pred_out[i, cand_model], float(requests.target[i]),
-                                 requests.tasks[requests.task[i]],
-                                 success=None if pred_s is None else pred_s[i, cand_model])
+                                 requests.tasks[requests.task[i]], session=session,
+                                 success=None if pred_s is None else pred_s[i, cand_model],
+                                 prompt_hashes=PromptHashes(requests.segments[i]) if shared
+                                 else None)
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
             inst = insts[d.index]
             for est in self.shadow_estimators:
-                shadow[est.name][i] = est.ttft(inst, req.prompt_tokens, t)
+                shadow[est.name][i] = est.ttft(inst, req.prompt_tokens, t,
+                                               hashes=req.prompt_hashes)
             if self.charge_overhead:  # the request reaches the instance after the decision
                 inst.engine.run_until(t + overhead[i])
             mi = inst_model[d.index]
-            inst.engine.add(str(i), int(requests.prompt[i]), int(requests.output[i, mi]),
-                            predicted_output_tokens=int(pred_out[i, mi]), arrival=t)
+            out = int(requests.output[i, mi])
+            hashes = (engine_hashes(requests, i, out, inst.engine.config.block_size)
+                      if shared and inst.engine.caching else ())
+            inst.engine.add(str(i), int(requests.prompt[i]), out,
+                            predicted_output_tokens=int(pred_out[i, mi]), arrival=t,
+                            hashes=hashes)
             chosen[i] = d.index
             if d.forecast is not None:
                 forecast[i] = d.forecast
@@ -199,9 +266,13 @@ class ClusterSim:
             fin[mine] = done.finish_time
         prices = np.array([[prof.models[m].price_prompt, prof.models[m].price_output]
                            for m in models])
+        queries = hits = None
+        if any(inst.engine.caching for inst in insts):
+            queries = np.array([inst.engine.prefix_queries for inst in insts], dtype=np.int64)
+            hits = np.array([inst.engine.prefix_hits for inst in insts], dtype=np.int64)
         return SimResult(requests, [name for name, _ in self.pairs], inst_model, chosen, first,
                          fin, forecast, shadow, overhead, prof.lam, prices,
-                         wallclock.perf_counter() - t_wall)
+                         wallclock.perf_counter() - t_wall, queries, hits)
 
     def quality_source(self, requests: RequestSet) -> QualitySource:
         """What the router predicts quality (and success) with for ``requests``."""

@@ -1,5 +1,6 @@
 """One simulated instance: a compiled engine with the "true" timing, and the live view of it a
-router gets (the policies' :class:`~duetime.estimate.base.InstanceView`)."""
+router gets (the policies' :class:`~duetime.estimate.base.InstanceView`, with a
+``prefix_index`` when the engine caches prefixes: :mod:`duetime.sim.cache_view`)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,26 @@ from duetime.engine.compiled import Engine
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec
 from duetime.estimate.base import InstanceStats
+from duetime.sim.cache_view import prefix_index_for
 
 STATS_WINDOW = 256  # recent requests an instance's time-averaged stats look at
 
 
 class SimInstance:
     """One simulated instance and the live view of it a router gets. ``now`` is the simulated
-    time of the decision being made (set by the simulator before it routes)."""
+    time of the decision being made (set by the simulator before it routes).
 
-    def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0) -> None:
+    ``prefix_index``: the router's view of the engine's prefix cache, ``cache_view``
+    ``precise`` (the engine's own cache) or ``estimated`` (learnt from the policies' ``record``
+    calls); ``None`` when the spec's config does not enable prefix caching."""
+
+    def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0,
+                 cache_view: str = "precise") -> None:
         self.name = name
         self.spec = spec
         self.engine = Engine(spec.config, spec.batch_time, noise=noise)
         self.now = 0.0
+        self.prefix_index = prefix_index_for(self.engine, cache_view)
 
     # InstanceView
     @property

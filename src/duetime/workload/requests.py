@@ -40,6 +40,14 @@ class RequestSet:
     def __len__(self) -> int:
         return len(self.arrival)
 
+    def head(self, n: int) -> RequestSet:
+        """The first ``n`` requests (all of them if fewer), every column cut alike."""
+        def cut(a):
+            return None if a is None else a[:n]
+        return RequestSet(self.arrival[:n], self.task[:n], self.prompt[:n], self.output[:n],
+                          self.quality[:n], self.target[:n], self.tasks, self.models,
+                          cut(self.segments), cut(self.session), cut(self.answer_segment))
+
 
 def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,
                     rng: np.random.Generator) -> RequestSet:

@@ -1,0 +1,99 @@
+"""What a simulated router knows of an instance's prefix cache, and the hashes it is given.
+
+A :class:`~duetime.sim.instance.SimInstance` whose engine caches prefixes carries a
+``prefix_index`` (:class:`~duetime.estimate.prefix_index.PrefixIndex`) of one of two kinds:
+
+* ``precise`` (:class:`PreciseIndex`): the engine's own cache, read at the moment of the
+  decision -- what a router fed by vLLM's KV events (llm-d's precise prefix-cache scorer) knows;
+  ``record`` is a no-op;
+* ``estimated``: an :class:`~duetime.estimate.prefix_index.EstimatedPrefixIndex` sized from the
+  instance's KV config, which learns only from the policies' ``record`` calls (llm-d's
+  approximate prefix-cache producer, SGLang's router).
+
+An instance without caching has none (``None``): cache-aware policies then match nothing there.
+
+:class:`PromptHashes` is a request's ``prompt_hashes`` callable: block size -> the chained
+hashes of its prompt's full blocks, memoised per block size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from duetime.engine.compiled import Engine
+from duetime.estimate.prefix_index import EstimatedPrefixIndex, PrefixIndex
+from duetime.workload.requests import RequestSet
+from duetime.workload.segments import Segments, block_hashes, sequence_hashes
+
+CACHE_VIEWS = ("precise", "estimated")
+
+
+class PreciseIndex:
+    """A :class:`~duetime.estimate.prefix_index.PrefixIndex` over an engine's own cache."""
+
+    __slots__ = ("block_size", "capacity_blocks", "engine")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.block_size = engine.config.block_size
+        self.capacity_blocks = engine.config.usable_blocks
+
+    def match(self, hashes: Sequence[int]) -> int:
+        return self.engine.cached_prefix(hashes)
+
+    def cached_blocks(self) -> int:
+        return self.engine.cached_blocks
+
+    def record(self, hashes: Sequence[int]) -> None:
+        """A no-op: the engine's cache is read as it is."""
+
+    def __repr__(self) -> str:
+        return (f"PreciseIndex(block_size={self.block_size}, "
+                f"capacity_blocks={self.capacity_blocks}, cached={self.cached_blocks()})")
+
+
+def check_cache_view(view: str) -> str:
+    if view not in CACHE_VIEWS:
+        raise ValueError(f"cache_view: {' or '.join(repr(v) for v in CACHE_VIEWS)}, "
+                         f"got {view!r}")
+    return view
+
+
+def prefix_index_for(engine: Engine, view: str) -> PrefixIndex | None:
+    """The router's view of ``engine``'s prefix cache (``None`` when it does not cache)."""
+    check_cache_view(view)
+    if not engine.caching:
+        return None
+    if view == "precise":
+        return PreciseIndex(engine)
+    return EstimatedPrefixIndex(engine.config.block_size, engine.config.usable_blocks)
+
+
+class PromptHashes:
+    """Block size -> the chained hashes of one prompt's full blocks (int64 array), each block
+    size computed once (``duetime.workload.segments.block_hashes``)."""
+
+    __slots__ = ("_by_size", "segments")
+
+    def __init__(self, segments: Segments) -> None:
+        self.segments = segments
+        self._by_size: dict[int, np.ndarray] = {}
+
+    def __call__(self, block_size: int) -> np.ndarray:
+        got = self._by_size.get(block_size)
+        if got is None:
+            got = self._by_size[block_size] = block_hashes(self.segments, block_size)
+        return got
+
+
+def engine_hashes(requests: RequestSet, i: int, output_tokens: int,
+                  block_size: int) -> np.ndarray:
+    """What the engine is given for request ``i`` answered with ``output_tokens`` tokens: the
+    hashes of its prompt and answer (:func:`~duetime.workload.segments.sequence_hashes`: what
+    its cache holds afterwards, which a later turn of its session shares), or of its prompt
+    alone when the request set does not say which segment the answer forms."""
+    if requests.answer_segment is None:
+        return block_hashes(requests.segments[i], block_size)
+    return sequence_hashes(requests, i, output_tokens, block_size)
