@@ -114,3 +114,88 @@ def test_a_stale_snapshot_of_a_caching_engine_is_refused() -> None:
         forecast(snap, 100)
     assert forecast(eng.snapshot(), 100).estimate_s > 0
     assert queue_of(eng._pool)  # the pool is intact
+
+
+EXAMPLE = {
+    "version": 2, "time": 100.0,
+    "config": {"max_num_batched_tokens": 2048, "max_num_seqs": 8, "max_model_len": 4096,
+               "block_size": 16, "num_gpu_blocks": 100, "enable_prefix_caching": True},
+    "batch_time": {"model": "paper4", "coefficients": {"b0": 0.004, "b1": 2e-5, "b2": 5e-8,
+                                                       "b3": 1e-9}},
+    "running": [{"id": "a", "prompt_tokens": 40, "computed_tokens": 40, "output_tokens": 1,
+                 "predicted_output_tokens": 50, "block_hashes": ["s0", "s1"]}],
+    "waiting": [{"id": "b", "prompt_tokens": 64, "predicted_output_tokens": 10,
+                 "block_hashes": ["s0", "s1", "b2", "b3"]}],
+    "prefix_cache": {"cached_free": ["t0", "t1", "t2"], "free_empty": 90},
+}
+
+
+def test_a_version_2_snapshot_carries_the_cache() -> None:
+    from duetime.engine import Snapshot, replay
+
+    snap = Snapshot.from_dict(EXAMPLE)
+    cold = forecast(snap, 48).estimate_s
+    warm = forecast(snap, 48, prompt_hashes=["t0", "t1", "t2"])  # 2 blocks hit (not the last)
+    assert warm.estimate_s < cold
+    # b hits a's two registered blocks: with the probe it computes 32 + 16 tokens, not 64 + 48
+    trace = replay(snap, 48, prompt_hashes=["t0", "t1", "t2"])
+    assert trace.estimate_s == warm.estimate_s
+    out = snap.to_dict()
+    assert out["version"] == 2 and out["prefix_cache"]["free_empty"] == 93  # 3 unlisted
+    assert len(out["prefix_cache"]["cached_free"]) == 3
+    again = Snapshot.from_dict(out)  # keys exported as integers: the same cache
+    assert forecast(again, 48, prompt_hashes=out["prefix_cache"]["cached_free"]
+                    ).estimate_s == warm.estimate_s
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_json_form_forecasts_as_the_live_engine(seed: int) -> None:
+    import json
+
+    from duetime.engine import Snapshot
+
+    eng, systems, history = _engine(seed)
+    snap = eng.snapshot()
+    again = Snapshot.from_dict(json.loads(json.dumps(snap.to_dict())))
+    for p, hashes in _probes(random.Random(seed), eng.config.block_size, systems, history):
+        try:
+            want = forecast(snap, p, prompt_hashes=hashes).estimate_s
+        except ForecastError:
+            continue
+        assert forecast(again, p, prompt_hashes=hashes).estimate_s == want
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d.update(version=1), "needs a snapshot of version 2"),
+    (lambda d: d["config"].update(enable_prefix_caching=False), "need prefix caching on"),
+    (lambda d: d["waiting"][0].update(block_hashes=[1.5]), r"waiting\[0\]\.block_hashes"),
+    (lambda d: d["running"][0].update(block_hashes=[1 << 70]), "does not fit 64 bits"),
+    (lambda d: d["prefix_cache"].update(free_empty=97), "exceed the 96 blocks"),
+    (lambda d: d["prefix_cache"].update(extra=1), "prefix_cache.extra"),
+])
+def test_version_2_errors_name_the_field(change, message) -> None:
+    import copy
+
+    from duetime.engine import Snapshot, SnapshotError
+
+    d = copy.deepcopy(EXAMPLE)
+    change(d)
+    with pytest.raises(SnapshotError, match=message):
+        Snapshot.from_dict(d)
+
+
+def test_the_cli_forecasts_a_version_2_snapshot(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "snap.json"
+    path.write_text(json.dumps(EXAMPLE))
+
+    def run(*extra: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "duetime", "forecast", str(path),
+                              "--prompt-tokens", "48", *extra], capture_output=True,
+                             text=True, check=True)
+        return json.loads(out.stdout)
+
+    assert run("--prompt-hashes", '["t0", "t1", "t2"]')["estimate_s"] < run()["estimate_s"]

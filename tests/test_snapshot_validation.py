@@ -243,7 +243,7 @@ def test_status_listed_under_the_wrong_queue():
                  "snapshot.running[0].status", "waiting")
 
 
-@pytest.mark.parametrize("version", [0, 2, 99])
+@pytest.mark.parametrize("version", [0, 3, 99])
 def test_wrong_version(version):
     err = expect_error(bad(lambda d: d.update(version=version)), "snapshot.version",
                        "unsupported version")

@@ -87,23 +87,34 @@ def _read_snapshot(source: str) -> tuple[Snapshot, Any]:
         raise CliError(f"{name}: {e}") from None
 
 
-def _request_probe(data: Any, name: str) -> tuple[Any, Any, Any, Any]:
-    """(prompt_tokens, predicted_output_tokens, until, trace) of a forecast request: a snapshot
-    with ``"probe": {"prompt_tokens", "predicted_output_tokens"?}`` and optional ``"until"``,
-    ``"trace"`` (see the snapshot format); ``None`` where the JSON says nothing."""
+def _request_probe(data: Any, name: str) -> tuple[Any, Any, Any, Any, Any]:
+    """(prompt_tokens, predicted_output_tokens, until, trace, block_hashes) of a forecast
+    request: a snapshot with ``"probe": {"prompt_tokens", "predicted_output_tokens"?,
+    "block_hashes"?}`` and optional ``"until"``, ``"trace"`` (see the snapshot format);
+    ``None`` where the JSON says nothing."""
     probe = data.get("probe")
     if probe is None:
-        return None, None, data.get("until"), data.get("trace")
+        return None, None, data.get("until"), data.get("trace"), None
     if not isinstance(probe, dict):
         raise CliError(f"{name}: probe: must be an object with prompt_tokens")
+    hashes = probe.get("block_hashes")
+    if hashes is not None and not isinstance(hashes, list):
+        raise CliError(f"{name}: probe.block_hashes: must be a list of strings or integers")
     return (probe.get("prompt_tokens"), probe.get("predicted_output_tokens"),
-            data.get("until"), data.get("trace"))
+            data.get("until"), data.get("trace"), hashes)
 
 
 def _cmd_forecast(args: argparse.Namespace) -> int:
     snap, data = _read_snapshot(args.snapshot)
     name = "<stdin>" if args.snapshot == "-" else args.snapshot
-    prompt, predicted, until, trace = _request_probe(data, name)
+    prompt, predicted, until, trace, hashes = _request_probe(data, name)
+    if args.prompt_hashes is not None:
+        try:
+            hashes = json.loads(args.prompt_hashes)
+        except json.JSONDecodeError as e:
+            raise CliError(f"--prompt-hashes: not valid JSON ({e.msg})") from None
+        if not isinstance(hashes, list):
+            raise CliError("--prompt-hashes: must be a JSON list of strings or integers")
     prompt = args.prompt_tokens if args.prompt_tokens is not None else prompt
     if prompt is None:
         raise CliError("--prompt-tokens is required (or a \"probe\" in the snapshot JSON)")
@@ -112,7 +123,8 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
     until = args.until or until or "first_token"
     trace = args.trace or trace is True
     try:
-        result = forecast(snap, prompt, predicted, until=until, trace=trace)
+        result = forecast(snap, prompt, predicted, until=until, trace=trace,
+                          prompt_hashes=hashes)
     except ForecastError as e:
         raise CliError(str(e)) from None
     _print_json(result.to_dict(), args.indent)
@@ -297,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forecast the first token (TTFT, default) or the finish (end to end)")
     p.add_argument("--trace", action="store_true",
                    help="also list every replayed step (slower: uses the reference loop)")
+    p.add_argument("--prompt-hashes", default=None, metavar="JSON",
+                   help="with a snapshot of version 2 (prefix caching): the probe's block "
+                   "hashes, a JSON list of strings or integers in the form the snapshot's "
+                   "requests use (its cached prefix is not computed again)")
     _add_indent(p)
 
     p = command("profiles", _cmd_profiles, "list the built-in instance profiles",

@@ -35,6 +35,7 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import block_shift, blocks_for, stuck_reason
 from duetime.engine.pool_kernel import undo_all
+from duetime.engine.prefix_json import block_keys
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
 from duetime.engine.scheduler import EngineStuck, ReferenceEngine
@@ -199,6 +200,10 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
     """
     stop = _check_probe(snapshot.config, prompt_tokens, predicted_output_tokens, until)
     prompt_tokens = int(prompt_tokens)
+    try:
+        prompt_hashes = block_keys(prompt_hashes)
+    except ValueError as e:
+        raise ForecastError(f"prompt_hashes: {e}") from None
     pid = _probe_id(snapshot)
     # asynchronous scheduling applies a step's outputs in the next step: count the steps up
     # to the one that made the probe's token

@@ -152,6 +152,23 @@ def undo_all(pool, kmap, undo):  # pragma: no cover - jit
     undo[U_GEN] += 1
 
 
+@njit(cache=True, nogil=True)
+def free_queue_keys(pool, out):  # pragma: no cover - jit
+    """The keys of the cached blocks in the free queue, head first, into ``out``; returns
+    (how many, how many free blocks hold no key)."""
+    tail = pool.shape[0] - 1
+    b = pool[pool.shape[0] - 2, P_NXT]
+    n = empty = 0
+    while b != tail:
+        if pool[b, P_HAS]:
+            out[n] = pool[b, P_KEY]
+            n += 1
+        else:
+            empty += 1
+        b = pool[b, P_NXT]
+    return n, empty
+
+
 # -- the key table ---------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")

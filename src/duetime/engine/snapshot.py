@@ -20,9 +20,11 @@ from typing_extensions import TypedDict
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import held_blocks
+from duetime.engine.prefix_json import block_keys, build_state, export_state
 from duetime.engine.prefix_state import PrefixState
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 1  # what to_dict writes without prefix caching; with it, version 2
+SNAPSHOT_VERSIONS = (1, 2)
 
 
 class SnapshotError(ValueError):
@@ -94,14 +96,17 @@ class _ConfigIn(BaseModel):
     async_scheduling: bool = False
     chunked_prefill: Literal[True] = True
     enable_chunked_prefill: Literal[True] = True
-    prefix_caching: Literal[False] = False
-    enable_prefix_caching: Literal[False] = False
+    prefix_caching: bool | None = None  # vLLM's other name for it
+    enable_prefix_caching: bool = False
     policy: Literal["fcfs"] = "fcfs"
     scheduling_policy: Literal["fcfs"] = "fcfs"
     preemption_mode: Literal["recompute"] = "recompute"
 
     def limits(self) -> dict[str, int]:
-        return self.model_dump(include=set(SchedulerConfig.__dataclass_fields__))
+        out = self.model_dump(include=set(SchedulerConfig.__dataclass_fields__))
+        if self.prefix_caching is not None:
+            out["enable_prefix_caching"] = self.prefix_caching or self.enable_prefix_caching
+        return out
 
 
 class _RequestIn(TypedDict):
@@ -114,6 +119,13 @@ class _RequestIn(TypedDict):
     output_tokens: NotRequired[Annotated[int, Field(ge=0, strict=True)]]
     predicted_output_tokens: Annotated[int, Field(ge=1, strict=True)]
     arrival: NotRequired[float]
+    block_hashes: NotRequired[list[str | int]]  # version 2, with prefix caching
+
+
+class _PrefixCacheIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cached_free: list[str | int] = Field(default_factory=list)
+    free_empty: int = Field(0, ge=0, strict=True)
 
 
 class _BatchTimeIn(BaseModel):
@@ -130,6 +142,7 @@ class _SnapshotIn(BaseModel):
     batch_time: _BatchTimeIn
     running: list[_RequestIn] = Field(default_factory=list)
     waiting: list[_RequestIn] = Field(default_factory=list)
+    prefix_cache: _PrefixCacheIn | None = None  # version 2, with prefix caching
 
 
 def _format_error(err: ValidationError) -> str:
@@ -140,6 +153,41 @@ def _format_error(err: ValidationError) -> str:
     more = len(err.errors()) - 1
     tail = f" (and {more} more error{'s' if more > 1 else ''})" if more else ""
     return f"{loc}: {first['msg']}{tail}"
+
+
+def _prefix_state_in(s: _SnapshotIn, config: SchedulerConfig, running: RequestTable,
+                     waiting: RequestTable) -> PrefixState | None:
+    """The cache of a version-2 snapshot with prefix caching (None otherwise); errors name the
+    field."""
+    listed = s.prefix_cache is not None or any("block_hashes" in r
+                                               for r in (*s.running, *s.waiting))
+    if s.version == 1 and (config.enable_prefix_caching or listed):
+        raise SnapshotError("snapshot.config.enable_prefix_caching: prefix caching "
+                            "(block_hashes, prefix_cache) needs a snapshot of version 2")
+    if not config.enable_prefix_caching:
+        if listed:
+            raise SnapshotError("snapshot.config.enable_prefix_caching: block_hashes and "
+                                "prefix_cache need prefix caching on")
+        return None
+    hashes = []
+    for where, items in (("running", s.running), ("waiting", s.waiting)):
+        for i, r in enumerate(items):
+            try:
+                hashes.append(block_keys(r.get("block_hashes", [])))
+            except ValueError as e:
+                raise SnapshotError(f"snapshot.{where}[{i}].block_hashes: {e}") from None
+    cache = s.prefix_cache or _PrefixCacheIn()
+    try:
+        cached = block_keys(cache.cached_free)
+    except ValueError as e:
+        raise SnapshotError(f"snapshot.prefix_cache.cached_free: {e}") from None
+    both = (np.concatenate((running.prompt, waiting.prompt)),
+            np.concatenate((running.output, waiting.output)),
+            np.concatenate((running.computed, waiting.computed)))
+    try:
+        return build_state(config, *both, len(running), hashes, cached, cache.free_empty)
+    except ValueError as e:
+        raise SnapshotError(f"snapshot.{e}") from None
 
 
 # -- the snapshot -------------------------------------------------------------------------------
@@ -191,9 +239,9 @@ class Snapshot:
             s = _SnapshotIn.model_validate(d)
         except ValidationError as e:
             raise SnapshotError(_format_error(e)) from None
-        if s.version != SNAPSHOT_VERSION:
+        if s.version not in SNAPSHOT_VERSIONS:
             raise SnapshotError(f"snapshot.version: unsupported version {s.version}; "
-                                f"this duetime reads version {SNAPSHOT_VERSION}")
+                                f"this duetime reads versions 1 and 2")
         try:
             model = model_from_dict(s.batch_time.model_dump(), "snapshot.batch_time")
             config = SchedulerConfig(**s.config.limits())
@@ -213,8 +261,9 @@ class Snapshot:
                                 [r["predicted_output_tokens"] for r in items],
                                 [r.get("arrival", 0.0) for r in items])
 
-        snap = cls(config, model, time=s.time, running=convert(s.running, "running"),
-                   waiting=convert(s.waiting, "waiting"))
+        running, waiting = convert(s.running, "running"), convert(s.waiting, "waiting")
+        prefix = _prefix_state_in(s, config, running, waiting)
+        snap = cls(config, model, time=s.time, running=running, waiting=waiting, prefix=prefix)
         snap.check()
         return snap
 
@@ -278,7 +327,7 @@ class Snapshot:
             raise SnapshotError(f"snapshot.running: {len(run)} running requests exceed "
                                 f"config.max_num_seqs = {cfg.max_num_seqs}")
         held = held_blocks(run.computed, cfg.block_size)
-        if held > cfg.usable_blocks:
+        if held > cfg.usable_blocks and self.prefix is None:  # (shared blocks count once)
             raise SnapshotError(f"snapshot.running: the running requests hold {held} KV blocks "
                                 f"(ceil(computed_tokens / block_size) each) but the instance "
                                 f"has {cfg.usable_blocks} (config.num_gpu_blocks = "
@@ -308,14 +357,22 @@ class Snapshot:
                         waiting=self.waiting_table, prefix=self.prefix)
 
     def to_dict(self) -> dict[str, Any]:
-        """The public JSON form."""
-        if self.config.enable_prefix_caching:
-            raise SnapshotError("snapshot: the JSON form (version 1) cannot carry the prefix "
-                                "cache; a snapshot with prefix caching stays in process")
-        return {"version": SNAPSHOT_VERSION, "time": self.time, "config": self.config.to_dict(),
-                "batch_time": self.model.to_dict(),
-                "running": [r.to_dict() for r in self.running],
-                "waiting": [r.to_dict() for r in self.waiting]}
+        """The public JSON form: version 1, or version 2 with the prefix cache (block keys as
+        integers; see :mod:`duetime.engine.prefix_json`)."""
+        out = {"version": SNAPSHOT_VERSION, "time": self.time, "config": self.config.to_dict(),
+               "batch_time": self.model.to_dict(),
+               "running": [r.to_dict() for r in self.running],
+               "waiting": [r.to_dict() for r in self.waiting]}
+        if self.config.enable_prefix_caching and self.prefix is not None:
+            try:
+                keys, cache = export_state(self.prefix, len(self.running_table))
+            except ValueError as e:
+                raise SnapshotError(str(e)) from None
+            out["version"] = 2
+            for r, k in zip(out["running"] + out["waiting"], keys, strict=True):
+                r["block_hashes"] = k
+            out["prefix_cache"] = cache
+        return out
 
     def __repr__(self) -> str:
         return (f"Snapshot(time={self.time}, model={self.model.name}, "
