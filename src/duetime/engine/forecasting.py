@@ -31,10 +31,11 @@ from typing import Any, Literal
 import numpy as np
 
 from duetime.engine import kernel as kn
+from duetime.engine._jit import njit
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import block_shift, blocks_for, stuck_reason
-from duetime.engine.pool_kernel import undo_all
+from duetime.engine.pool_kernel import key_events, key_get, undo_all
 from duetime.engine.prefix_json import block_keys
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
@@ -257,6 +258,38 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
                     int(st[kn.K]) - late)
 
 
+def _sorted_events(ev: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Key events (stamp, key, sign) sorted by key, then time: per key a run to search."""
+    if ev is None:
+        return None
+    order = np.lexsort((ev[:, 0], ev[:, 1]))
+    ev = ev[order]
+    return (np.ascontiguousarray(ev[:, 1]), np.ascontiguousarray(ev[:, 0]),
+            np.ascontiguousarray(ev[:, 2]))
+
+
+@njit(cache=True, nogil=True)
+def hits_at(kmap, keys, ev_key, ev_stamp, ev_sign, stamp):  # pragma: no cover - jit
+    """How many leading ``keys`` are cached at ``stamp``: cached in ``kmap`` (the snapshot's)
+    unless the last event of the key up to ``stamp`` says otherwise."""
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        present = key_get(kmap, k) >= 0
+        lo = np.searchsorted(ev_key, k)
+        j = np.searchsorted(ev_key, k, side="right") - 1
+        while j >= lo and ev_stamp[j] > stamp:
+            j -= 1
+        if j >= lo:
+            present = ev_sign[j] > 0
+        if not present:
+            return i
+    return keys.shape[0]
+
+
+class _EventsLost(Exception):
+    """The base's key events overflowed their log: the probe is replayed exactly."""
+
+
 class Forecaster:
     """Answers many TTFT probes of one snapshot from one base replay (see module doc)."""
 
@@ -272,10 +305,12 @@ class Forecaster:
         self._full = cfg.scheduler_reserve_full_isl
         self._bs = cfg.block_size
         self._model = snapshot.model
-        # with prefix caching every probe is replayed exactly (its hits depend on what the
-        # requests ahead cache and evict; a shortcut for it is future work)
-        self._exact = cfg.enable_prefix_caching
-        self._state = None if self._exact else _state(snapshot, sigma)
+        # with prefix caching the base borrows the engine's cache: it is replayed from the
+        # snapshot each time it must go further, then the cache is put back; its key events
+        # tell when a probe's blocks were cached (see _hits)
+        self._caching = cfg.enable_prefix_caching
+        self._state = None if self._caching else _state(snapshot, sigma)
+        self._events: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._room = np.zeros(3, dtype=np.int64)  # see kernel.run_base
         self._rec = np.empty((64, 3), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
@@ -293,16 +328,28 @@ class Forecaster:
             return False
         n0 = self._n
         target = int(self._room[0]) + max(more, 1)
-        while True:
-            code, n, _ = kn.run_base(*self._state, self._rec, self._cum, self._rec_t, self._n,
-                                     self._room, target, self.max_steps)
-            self._n = n
-            if code != kn.FULL:
-                break
-            grow = self._rec.shape[0]
-            self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
-            self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
-            self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
+        state = self._state
+        if self._caching:  # from the snapshot again, on the borrowed cache (see __init__)
+            state = _state(self.snapshot, self.sigma)
+            # (each time costs it all again: go far enough for this probe's admission too)
+            target = max(target + self._cap, 2 * int(self._room[0]))
+            self._n = 0
+            self._room[:] = 0
+        try:
+            while True:
+                code, n, _ = kn.run_base(*state, self._rec, self._cum, self._rec_t, self._n,
+                                         self._room, target, self.max_steps)
+                self._n = n
+                if code != kn.FULL:
+                    break
+                grow = self._rec.shape[0]
+                self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
+                self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
+                self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
+        finally:
+            if self._caching:
+                self._events = _sorted_events(key_events(state[12]))
+                _give_back(state)
         if code != kn.REACHED:
             # Idle, or the base cannot go on (KV livelock, step cap): a probe that needs more
             # than what was recorded runs alone after idle, or is replayed exactly.
@@ -316,12 +363,30 @@ class Forecaster:
                     prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
         """TTFT forecast for a probe of ``prompt_tokens`` tokens at the queue's tail
         (``prompt_hashes``: its block keys, with prefix caching)."""
+        try:
+            return self._first_token(prompt_tokens, prompt_hashes)
+        except _EventsLost:
+            return self._replay(int(prompt_tokens), prompt_hashes)
+
+    def _first_token(self, prompt_tokens: int,
+                     prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
         _check_probe(self.snapshot.config, prompt_tokens, None, "first_token")
         p = int(prompt_tokens)
-        if self._exact:
-            return self._replay(p, prompt_hashes)
         cap = self._cap
         bs = self._bs
+        keys = None
+        if self._caching:
+            if not self.snapshot.prefix.is_current():
+                raise ForecastError("snapshot: the engine has changed since this snapshot was "
+                                    "taken; a forecast with prefix caching needs a current one")
+            try:
+                keys = block_keys(prompt_hashes)
+            except ValueError as e:
+                raise ForecastError(f"prompt_hashes: {e}") from None
+            if keys is not None:
+                keys = keys[:(p - 1) // bs]  # vLLM recomputes the last token
+                if not len(keys):
+                    keys = None
 
         # 1. Admission: the first step that drains the queue ahead and leaves budget, a seat
         #    and KV blocks for the probe (its whole prompt, with vLLM's full-sequence
@@ -330,6 +395,7 @@ class Forecaster:
         while not room[1] and self._extend(p):
             pass
         x0 = 0
+        c = 0  # with prefix caching: the probe's tokens found cached at its admission
         s = int(room[2]) if room[1] else None
         if s is not None:
             need_flags = kn.DRAINED | kn.SEATS
@@ -339,19 +405,27 @@ class Forecaster:
                     break
                 la, free, flags = self._rec[s].tolist()
                 if flags & need_flags == need_flags and la > 0:
-                    x0 = min(p, cap, la)
-                    if blocks_for(p if self._full else x0, bs) + self._spare <= free:
+                    h = 0 if keys is None else self._hits(keys, 2 * s)
+                    c = h * bs
+                    x0 = min(p - c, cap, la)
+                    need = blocks_for(p if self._full else c + x0, bs) - h + self._spare
+                    if need + h <= free:  # (even if every hit block costs a free one)
                         break
+                    if h and need <= free:  # it depends on whether nobody holds them
+                        return self._replay(p, keys)
                 s += 1
         if s is None:  # the base went idle first: the probe runs alone from then on
-            return self._replay(p) if self._failed else self._alone(p, 0, 0.0)
+            if self._failed:
+                return self._replay(p, keys)
+            c = 0 if keys is None else self._hits(keys, 1 << 62) * bs
+            return self._alone(p, c, 0.0)
 
         if int(self._rec[s, 2]) & kn.NO_MODEL:
-            return self._replay(p)  # the probe would run the step's model alone
+            return self._replay(p, keys)  # the probe would run the step's model alone
         # 2. Progress: the budget the base leaves after its running requests, step by step.
-        rem = p - x0
+        rem = p - c - x0
         if rem == 0:
-            return self._finish(p, s, x0 * x0, 1)
+            return self._finish(p, s, x0 * x0, 1, c)
         base = int(self._cum[s + 1, 0])
         while int(self._cum[self._n, 0]) - base < rem and self._extend(
                 max(rem - (int(self._cum[self._n, 0]) - base), int(room[0]))):
@@ -363,32 +437,43 @@ class Forecaster:
         c_s = cum[s + 1].tolist()
         c_last = cum[last + 1].tolist()
         if c_last[3] - c_s[3]:
-            return self._replay(p)
+            return self._replay(p, keys)
         if int(self._rec[s:last + 1, 1].min()) < blocks_for(p, bs):
-            return self._replay(p)  # KV may run short with the probe resident: replay exactly
+            # KV may run short with the probe resident: replay exactly
+            return self._replay(p, keys)
         if e >= n:  # the base went idle before the prompt was done
             if self._failed:
-                return self._replay(p)
-            c = x0 + c_last[0] - base
+                return self._replay(p, keys)
+            done = c + x0 + c_last[0] - base
             sq = x0 * x0 + c_last[1] - c_s[1]
             nsteps = 1 + c_last[2] - c_s[2]
-            return self._alone(p, c, self._marginal(p, c, sq, nsteps))
+            return self._alone(p, done, self._marginal(p, c, done, sq, nsteps))
         c_e = cum[e].tolist()
         left = rem - (c_e[0] - base)
         sq = x0 * x0 + c_e[1] - c_s[1] + left * left
         nsteps = 2 + c_e[2] - c_s[2]
-        return self._finish(p, e, sq, nsteps)
+        return self._finish(p, e, sq, nsteps, c)
 
-    def _marginal(self, p: int, c: int, sq: int, nsteps: int) -> float:
-        """The probe's own batch-time terms: ``c`` prompt tokens computed from zero in
+    def _hits(self, keys: np.ndarray, stamp: int) -> int:
+        """The probe's blocks found cached when it is looked up: its keys cached at the
+        snapshot, changed by the base's key events up to ``stamp`` (2 x step: those of that
+        step's scheduling, which precede the probe's admission at its tail)."""
+        ev = self._events
+        if ev is None:
+            raise _EventsLost
+        return hits_at(self.snapshot.prefix.kmap, keys, ev[0], ev[1], ev[2], stamp)
+
+    def _marginal(self, p: int, c0: int, c1: int, sq: int, nsteps: int) -> float:
+        """The probe's own batch-time terms: its prompt tokens ``c0`` to ``c1`` computed in
         ``nsteps`` chunks whose squares sum to ``sq`` (the attention sum does not depend on
-        how the prompt was chunked: Σ pre·ctx + pre(pre+1)/2 = c(c+1)/2)."""
-        return self._model.duration(0, c, sq, c * (c + 1) // 2, 0, nsteps * p,
-                                    nsteps * p * p) - self._model.intercept
+        how they were chunked: Σ pre·ctx + pre(pre+1)/2 = c1(c1+1)/2 - c0(c0+1)/2; ``c0``
+        are the tokens found cached)."""
+        return self._model.duration(0, c1 - c0, sq, (c1 * (c1 + 1) - c0 * (c0 + 1)) // 2, 0,
+                                    nsteps * p, nsteps * p * p) - self._model.intercept
 
-    def _finish(self, p: int, e: int, sq: int, nsteps: int) -> Forecast:
-        """The probe's prompt completes in base step ``e``."""
-        end = float(self._rec_t[e]) + self._marginal(p, p, sq, nsteps)
+    def _finish(self, p: int, e: int, sq: int, nsteps: int, c0: int = 0) -> Forecast:
+        """The probe's prompt completes in base step ``e`` (``c0`` of it found cached)."""
+        end = float(self._rec_t[e]) + self._marginal(p, c0, p, sq, nsteps)
         return Forecast(end, e + 1)
 
     def _alone(self, p: int, c: int, extra: float) -> Forecast:

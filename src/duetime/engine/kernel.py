@@ -45,6 +45,7 @@ import numpy as np
 from duetime.engine._jit import njit
 from duetime.engine.kv import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv_take
 from duetime.engine.pool_kernel import (
+    U_STAMP,
     pool_allocate,
     pool_cache,
     pool_evictable,
@@ -216,6 +217,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     phase = 0
     i = 0
     t_start = clock[0]
+    if undo is not None:  # key events of this step's scheduling (see pool_kernel)
+        undo[U_STAMP] = 2 * st[K]
     while True:
         if phase == 0:
             if i >= nrun or budget <= 0:
@@ -366,6 +369,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
         out[5] = 0
         out[6] = 0
         return STUCK
+    if undo is not None:  # key events after the scheduling: outputs applied, blocks freed
+        undo[U_STAMP] = 2 * st[K] + 1
     # duration: the batch-time model of the composition (exact integer features)
     t_end = t_start
     if ns > 0:

@@ -67,9 +67,12 @@ def key_items(kmap: np.ndarray) -> dict[int, int]:
 
 # the undo log: one flat int64 array (one argument is cheaper to pass through every call than
 # a tuple of five): a header, then per pool row and per table slot the generation that saved
-# it, then the saved rows (block, its 6 columns) and slots (slot, key, block)
-U_GEN, U_NPOOL, U_NTAB, U_TMARK, U_SPOOL, U_STAB = range(6)
-U_HEAD = 6
+# it, then the saved rows (block, its 6 columns) and slots (slot, key, block), then the key
+# events: (stamp, key, +1 added / -1 removed), stamped by the kernel with 2 x step (while it
+# schedules) or 2 x step + 1 (after: outputs applied, blocks freed); a forecaster reads when a
+# probe's keys were cached from them (counted past the capacity: an overflow shows)
+U_GEN, U_NPOOL, U_NTAB, U_TMARK, U_SPOOL, U_STAB, U_STAMP, U_NEV, U_EV, U_EVCAP = range(10)
+U_HEAD = 10
 
 
 def new_undo(pool: np.ndarray, kmap: np.ndarray) -> np.ndarray:
@@ -79,10 +82,33 @@ def new_undo(pool: np.ndarray, kmap: np.ndarray) -> np.ndarray:
     tmark = U_HEAD + n
     spool = tmark + t
     stab = spool + n * (POOL_COLUMNS + 1)
-    u = np.empty(stab + t * 3, dtype=np.int64)
+    ev = stab + t * 3
+    evcap = 4 * n
+    u = np.empty(ev + 3 * evcap, dtype=np.int64)
     u.fill(0)  # touched now, at the engine's creation: not page by page in a forecast
     u[U_GEN], u[U_TMARK], u[U_SPOOL], u[U_STAB] = 1, tmark, spool, stab
+    u[U_EV], u[U_EVCAP] = ev, evcap
     return u
+
+
+def key_events(undo: np.ndarray) -> np.ndarray | None:
+    """The key events of the last replay, (n, 3): stamp, key, sign; None if they overflowed."""
+    n = int(undo[U_NEV])
+    if n > undo[U_EVCAP]:
+        return None
+    at = int(undo[U_EV])
+    return undo[at:at + 3 * n].reshape(n, 3).copy()
+
+
+@njit(cache=True, nogil=True)
+def _event(undo, k, sign):  # pragma: no cover - jit
+    n = undo[U_NEV]
+    if n < undo[U_EVCAP]:
+        at = undo[U_EV] + 3 * n
+        undo[at] = undo[U_STAMP]
+        undo[at + 1] = k
+        undo[at + 2] = sign
+    undo[U_NEV] = n + 1
 
 
 def queue_of(pool: np.ndarray) -> list[int]:
@@ -149,6 +175,7 @@ def undo_all(pool, kmap, undo):  # pragma: no cover - jit
         kmap[i, 1] = undo[at + 2]
     undo[U_NPOOL] = 0
     undo[U_NTAB] = 0
+    undo[U_NEV] = 0
     undo[U_GEN] += 1
 
 
@@ -202,6 +229,9 @@ def _key_put(kmap, k, b, undo):  # pragma: no cover - jit
     while kmap[i, 1] != 0 and kmap[i, 0] != k:
         i = (i + 1) & mask
     _save_slot(kmap, i, undo)
+    if undo is not None:  # noqa: SIM102 (alone, numba prunes it for undo=None)
+        if kmap[i, 1] == 0:
+            _event(undo, k, 1)
     kmap[i, 0] = k
     kmap[i, 1] = b
 
@@ -214,6 +244,8 @@ def _key_del(kmap, k, undo):  # pragma: no cover - jit
     while kmap[i, 0] != k or kmap[i, 1] == 0:
         i = (i + 1) & mask
     _save_slot(kmap, i, undo)
+    if undo is not None:
+        _event(undo, k, -1)
     kmap[i, 1] = 0
     j = i
     while True:

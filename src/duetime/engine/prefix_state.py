@@ -78,22 +78,27 @@ class PrefixState:
         np.cumsum(caps[:-1], out=boff[1:])
         rb = np.empty(int(caps.sum()), dtype=np.int64)
         copy_slices(self.rb, rows[:, C_BOFF], held, rb, boff)
-        # the known keys of each request, then the probe's
+        # the known keys of each request (read only: the engine's own array, unless the
+        # probe's keys must join them)
         nkey = rows[:, C_NKEY]
-        probe = np.asarray(probe_hashes if probe_hashes is not None else (), dtype=np.int64)
-        total = int(nkey.sum())
-        koff = np.full(n, total, dtype=np.int64)
-        koff[:k] = np.cumsum(nkey) - nkey
-        rk = np.empty(total + len(probe), dtype=np.int64)
-        copy_slices(self.rk, rows[:, C_KOFF], nkey, rk, koff)
-        rk[total:] = probe
+        if probe_hashes is None:
+            rk, koff, total = self.rk, np.zeros(n, dtype=np.int64), 0
+            koff[:k] = rows[:, C_KOFF]
+        else:
+            probe = np.asarray(probe_hashes, dtype=np.int64)
+            total = int(nkey.sum())
+            koff = np.full(n, total, dtype=np.int64)
+            koff[:k] = np.cumsum(nkey) - nkey
+            rk = np.empty(total + len(probe), dtype=np.int64)
+            copy_slices(self.rk, rows[:, C_KOFF], nkey, rk, koff)
+            rk[total:] = probe
         req[:, kn.BOFF] = boff
         req[:, kn.BCAP] = caps
         req[:k, kn.NCACHED] = rows[:, C_NCACHED]
         req[:k, kn.UID] = rows[:, C_UID]
         req[:, kn.KOFF] = koff
         req[:k, kn.NKEY] = nkey
-        req[k:, kn.NKEY] = len(probe)
+        req[k:, kn.NKEY] = 0 if probe_hashes is None else len(probe_hashes)
         req[k:, kn.UID] = self.next_uid
         st[kn.FREE] = self.free
         return self.pool, self.kmap, rb, rk, self.undo
