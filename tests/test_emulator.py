@@ -90,16 +90,17 @@ def test_ttft_on_an_idle_emulator_is_the_engine_forecast(speed):
 
 def test_queued_requests_wait_for_the_batch_ahead():
     """Two long prompts sent together: the second's first token comes a whole prefill later
-    (the 32768-token budget holds one 30000-token prompt per step)."""
+    (the 32768-token budget holds one 30000-token prompt per step). The prompts differ (an
+    identical one would reuse the first's cached blocks)."""
     async def go():
         emu = emulator_from_profile("qwen3-8b", speed=4.0)
         server = await serve(emu)
         try:
             async with httpx.AsyncClient(base_url=server.url, timeout=10) as c:
                 await c.get("/health")
-                body = {"prompt": [1] * 30000, "max_tokens": 2, "stream": True}
-                a, b = await asyncio.gather(first_token_time(c, body),
-                                            first_token_time(c, body))
+                a, b = await asyncio.gather(*(first_token_time(c, {
+                    "prompt": [tok] * 30000, "max_tokens": 2, "stream": True})
+                    for tok in (1, 2)))
             return emu, sorted([a[0], b[0]])
         finally:
             await server.stop()

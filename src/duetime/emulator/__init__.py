@@ -14,10 +14,13 @@ __all__ = ["FAULT_KINDS", "EmuRequest", "Emulator", "Faults", "create_app",
 
 def emulator_from_profile(profile: str, *, model_name: str | None = None, speed: float = 1.0,
                           seed: int = 0, faults: Faults | None = None,
-                          output_median: float = 200.0) -> Emulator:
-    """An emulator running a built-in engine profile (``duetime profiles``)."""
+                          output_median: float = 200.0,
+                          enable_prefix_caching: bool = True) -> Emulator:
+    """An emulator running a built-in engine profile (``duetime profiles``); prefix caching
+    on unless ``enable_prefix_caching`` is False, as in vLLM."""
     from duetime.engine.profiles import load_profile
 
     p = load_profile(profile)
     return Emulator(p.batch_time, p.config, model_name=model_name or profile, speed=speed, seed=seed,
-                    faults=faults, output_median=output_median)
+                    faults=faults, output_median=output_median,
+                    enable_prefix_caching=enable_prefix_caching)

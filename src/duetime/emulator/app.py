@@ -4,21 +4,26 @@
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | SSE streaming (``data: {...}`` chunks, ``data: [DONE]``) or one JSON body; ``max_tokens`` caps the output |
 | ``GET /v1/models`` | the one served model |
-| ``POST /tokenize`` | ``{"count", "max_model_len", "tokens"}`` from the documented estimate (tokens are placeholders) |
+| ``POST /tokenize`` | ``{"count", "max_model_len", "tokens"}`` from the documented estimate (tokens are placeholders: one id per 4 characters, the same for the same characters) |
 | ``GET /health`` | 200, or 503 when marked unhealthy |
 | ``GET /metrics`` | Prometheus text with vLLM's metric names |
-| ``GET /snapshot`` | the engine's snapshot JSON (``shared/reference/snapshot-format.md``); header ``x-duetime-clock`` = the emulator's clock when it was taken |
+| ``GET /snapshot`` | the engine's snapshot JSON (``shared/reference/snapshot-format.md``; version 2, with the prefix cache, while prefix caching is on); header ``x-duetime-clock`` = the emulator's clock when it was taken |
 | ``GET/POST /emulator/faults`` | read / set failure injection ``{"rate", "kinds", "healthy"}`` (tests) |
 
 Request ids: a request's ``x-request-id`` header (if unused) names it in the engine and the
 snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|timeout|disconnect``
 forces that failure for one request (tests).
+
+Prefix caching (on unless turned off): each request's prompt is keyed block by block
+(:mod:`duetime.serving.prefix_keys`: token ids exactly, text 64 characters per 16-token block),
+so identical prefixes share cached blocks as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -43,10 +48,13 @@ from duetime.serving.asgi import (
     send_json,
 )
 from duetime.serving.errors import ApiError
+from duetime.serving.prefix_keys import chat_text, prompt_block_keys
 from duetime.serving.requests import CompletionRequest, parse_completion, parse_json, parse_tokenize
 from duetime.serving.sse import DONE, SSE_HEADERS
+from duetime.serving.tokens import CHARS_PER_TOKEN
 
 TOKEN_TEXT = "tok "
+PLACEHOLDER_VOCAB = 151_643  # /tokenize's placeholder ids are below this (Qwen3's vocabulary)
 
 
 class InjectedDisconnect(Exception):
@@ -59,6 +67,27 @@ class _QuietInjected(logging.Filter):
 
 
 logging.getLogger("uvicorn.error").addFilter(_QuietInjected())
+
+
+def placeholder_ids(body: dict[str, Any], count: int) -> list[int]:
+    """``/tokenize``'s tokens: a prompt's own ids, else one id per 4 characters of its text
+    (chat: :func:`~duetime.serving.prefix_keys.chat_text`), a hash of them, so that the same
+    text gives the same ids and different text mostly different ones (a client that builds
+    prompts from them, as ``duetime calibrate`` does, gets distinct prompts that do not hit
+    the prefix cache); cut or padded to ``count``."""
+    if "messages" in body:
+        text = chat_text(body["messages"])
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            return list(prompt)[:count]
+        text = prompt if isinstance(prompt, str) else ""
+    ids = [int.from_bytes(hashlib.blake2b(text[i:i + CHARS_PER_TOKEN].encode(),
+                                          digest_size=4).digest(), "little") % PLACEHOLDER_VOCAB
+           for i in range(0, len(text), CHARS_PER_TOKEN)][:count]
+    return ids + [0] * (count - len(ids))
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -134,8 +163,9 @@ class Completions:
         if fault == "disconnect":
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             raise InjectedDisconnect("injected disconnect (emulator)")
+        hashes = prompt_block_keys(req, emu.config.block_size) if emu.caching else ()
         r = emu.submit(req.prompt_tokens, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos,
-                       request_id=header(scope, b"x-request-id"))
+                       request_id=header(scope, b"x-request-id"), hashes=hashes)
         try:
             if req.stream:
                 await self._stream(r, req, send)
@@ -218,12 +248,14 @@ def create_app(emu: Emulator) -> FastRoutes:
              "max_model_len": emu.config.max_model_len}]})
 
     async def tokenize(request: Request) -> Response:
+        raw = await request.body()
         try:
-            count = parse_tokenize(await request.body())
+            count = parse_tokenize(raw)
         except ApiError as e:
             return _error(e)
         return JSONResponse({"count": count, "max_model_len": emu.config.max_model_len,
-                             "tokens": [0] * count, "token_strs": None})
+                             "tokens": placeholder_ids(json.loads(raw), count),
+                             "token_strs": None})
 
     async def health(request: Request) -> Response:
         return Response(status_code=200 if emu.faults.healthy else 503)
@@ -233,7 +265,10 @@ def create_app(emu: Emulator) -> FastRoutes:
 
     async def snapshot(request: Request) -> Response:
         clock = time.monotonic()
-        body = json.dumps(emu.snapshot().to_dict(), separators=(",", ":"))
+        # version 1 unless asked: with prefix caching, version 2 lists the whole cache (most
+        # of a megabyte, tens of ms to parse at every 50 ms poll; docs/gateway.md)
+        version = 2 if request.query_params.get("version") == "2" else 1
+        body = json.dumps(emu.snapshot().to_dict(version), separators=(",", ":"))
         return Response(body, media_type="application/json",
                         headers={"x-duetime-clock": repr(clock)})
 

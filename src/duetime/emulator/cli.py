@@ -23,7 +23,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     except ValueError as e:
         raise error(f"--fail-kinds: {e}") from None
     emu = emulator_from_profile(args.profile, model_name=args.model_name, speed=args.speed,
-                                seed=args.seed, faults=faults, output_median=args.output_median)
+                                seed=args.seed, faults=faults, output_median=args.output_median,
+                                enable_prefix_caching=args.enable_prefix_caching)
     try:
         server = AppServer(create_app(emu), host=args.host, port=args.port,
                            graceful_timeout_s=args.drain_timeout)
@@ -32,8 +33,10 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     stop = asyncio.Event()
     with shutdown_signals(stop.set, server.force):
         await server.start()
+        caching = "on" if emu.caching else "off"
         print(f"duetime emulate: {emu.model_name} (profile {args.profile}, speed "
-              f"{args.speed:g}) listening on {server.url}", flush=True)
+              f"{args.speed:g}, prefix caching {caching}) listening on {server.url}",
+              flush=True)
         print(f"  try: curl -s {server.url}/v1/completions -H 'content-type: application/json' "
               f"-d '{{\"prompt\": \"hello\", \"max_tokens\": 8}}'", flush=True)
         await stop.wait()
@@ -75,6 +78,11 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--output-median", type=positive_float, default=200.0, metavar="N",
                    help="median output length in tokens when max_tokens does not cut it "
                    "(log-normal, sigma 0.6; default 200)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="vLLM's automatic prefix caching: prompts that start alike share "
+                   "cached KV blocks (token ids exactly; text 64 characters per 16-token "
+                   "block); default on, as in vLLM")
     p.add_argument("--fail-rate", type=unit_rate, default=0.0, metavar="F",
                    help="fraction of requests that fail (default 0)")
     p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",

@@ -13,6 +13,12 @@ applies the previous step's outputs, which are due when it starts: they are rele
 If the loop wakes more than ``MAX_LAG_S`` late (a stalled process) the engine's clock jumps to
 the present, so the lag shows as latency, as a late CPU would on a real server; smaller jitter
 is absorbed (the next sleep is shorter), so the emulator keeps the model's pace on average.
+
+Prefix caching is on by default, as in vLLM: a request brings the keys of its prompt's full
+blocks (:mod:`duetime.serving.prefix_keys`; its output blocks get the engine's own keys, since
+the emulator's output is filler), and a prompt that starts like one still cached computes only
+the rest. ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count the tokens looked
+up and found, as vLLM's scheduler stats do, when each step ends.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -91,11 +98,15 @@ class Emulator:
 
     def __init__(self, model: BatchTimeModel, config: SchedulerConfig, *, model_name: str,
                  speed: float = 1.0, seed: int = 0, output_median: float = 200.0,
-                 output_sigma: float = 0.6, faults: Faults | None = None) -> None:
+                 output_sigma: float = 0.6, faults: Faults | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        """``enable_prefix_caching`` (vLLM's default, on) replaces the config's own flag (the
+        built-in profiles leave it off, the engine's default)."""
         if not speed > 0 or not math.isfinite(speed):
             raise ValueError(f"speed must be a positive number, got {speed}")
         self.model_name = model_name
         self.speed = speed
+        config = replace(config, enable_prefix_caching=bool(enable_prefix_caching))
         self.config = config
         self.model = model.scaled(speed)
         self.output_median = output_median
@@ -111,6 +122,7 @@ class Emulator:
         self._task: asyncio.Task[None] | None = None
         self.aborted = 0
         self.finished = 0
+        self._cache_seen = (0, 0)  # (queries, hits) already counted in the metrics
         disable_created_metrics()
         self.registry = CollectorRegistry()
         self._metrics()
@@ -145,9 +157,38 @@ class Emulator:
                              label, registry=r).labels(self.model_name)
         self.m_preempt = Counter("vllm:num_preemptions", "Cumulative number of preemptions.",
                                  label, registry=r).labels(self.model_name)
+        self.m_cache_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.", label,
+            registry=r).labels(self.model_name)
+        self.m_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            label, registry=r).labels(self.model_name)
+        # vLLM's info gauge of its CacheConfig (there: every field as a string, and the engine)
+        cfg = self.config
+        info = {"block_size": str(cfg.block_size), "num_gpu_blocks": str(cfg.num_gpu_blocks),
+                "enable_prefix_caching": str(cfg.enable_prefix_caching), "engine": "0"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(info), registry=r).labels(**info).set(1)
 
     def kv_usage(self) -> float:
+        """vLLM's ``kv_cache_usage_perc``: cached blocks nobody holds count as free."""
         return self.engine.kv_usage
+
+    @property
+    def caching(self) -> bool:
+        """Whether prefix caching is on (requests then bring their block keys)."""
+        return self.config.enable_prefix_caching
+
+    def _count_cache(self) -> None:
+        """Add the engine's new prefix-cache lookups to the counters (at a step's end)."""
+        eng = self.engine
+        q, h = eng.prefix_queries, eng.prefix_hits
+        q0, h0 = self._cache_seen
+        if q != q0 or h != h0:
+            self.m_cache_queries.inc(q - q0)
+            self.m_cache_hits.inc(h - h0)
+            self._cache_seen = (q, h)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -179,9 +220,11 @@ class Emulator:
         return None
 
     def submit(self, prompt_tokens: int, *, max_tokens: int | None = None,
-               ignore_eos: bool = False, request_id: str | None = None) -> EmuRequest:
+               ignore_eos: bool = False, request_id: str | None = None,
+               hashes: Sequence[int] = ()) -> EmuRequest:
         """Queue a request (joins at the next step boundary); its id is ``request_id`` when
-        given and not in use, else a fresh one."""
+        given and not in use, else a fresh one. ``hashes``: the keys of its prompt's full
+        blocks (:func:`duetime.serving.prefix_keys.prompt_block_keys`), for prefix caching."""
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._drive(), name=f"emulator:{self.model_name}")
@@ -193,7 +236,7 @@ class Emulator:
         req = EmuRequest(rid, prompt_tokens, stop, reason, now)
         if self.engine.idle:
             self.engine.set_clock(now)
-        self.engine.add(rid, prompt_tokens, stop, arrival=now)
+        self.engine.add(rid, prompt_tokens, stop, arrival=now, hashes=hashes)
         self._active[rid] = req
         self.m_prompt.inc(prompt_tokens)
         self._wake.set()
@@ -260,6 +303,8 @@ class Emulator:
             await asyncio.sleep(max(0.0, ev.end - clock()))
             if not early:
                 self._release(ev.end, ev.tokens, ev.first_token, ev.finished)
+            if self.caching:
+                self._count_cache()
 
     def _release(self, t: float, tokens: list[str], first: list[str],
                  finished: list[str]) -> None:

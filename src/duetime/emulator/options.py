@@ -10,7 +10,8 @@ from duetime.engine.spec import InstanceSpec
 
 
 class EmulatorOptions(BaseModel):
-    """``emulate: {speed, seed, output_median, fail_rate, fail_kinds}``."""
+    """``emulate: {speed, seed, output_median, fail_rate, fail_kinds,
+    enable_prefix_caching}`` (prefix caching on unless false, as in vLLM)."""
 
     model_config = ConfigDict(extra="forbid")
     speed: float = Field(1.0, gt=0)
@@ -18,6 +19,7 @@ class EmulatorOptions(BaseModel):
     output_median: float = Field(200.0, gt=0)
     fail_rate: float = Field(0.0, ge=0, le=1)
     fail_kinds: list[str] = ["5xx"]
+    enable_prefix_caching: bool = True
 
     @field_validator("fail_kinds")
     @classmethod
@@ -32,4 +34,5 @@ class EmulatorOptions(BaseModel):
         ``model_name``."""
         return Emulator(spec.batch_time, spec.config, model_name=model_name, speed=self.speed,
                         seed=self.seed, output_median=self.output_median,
-                        faults=Faults(self.fail_rate, tuple(self.fail_kinds)))
+                        faults=Faults(self.fail_rate, tuple(self.fail_kinds)),
+                        enable_prefix_caching=self.enable_prefix_caching)

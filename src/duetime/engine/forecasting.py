@@ -376,6 +376,10 @@ class Forecaster:
         bs = self._bs
         keys = None
         if self._caching:
+            if self.snapshot.prefix is None:
+                raise ForecastError("config.enable_prefix_caching: this snapshot carries no "
+                                    "cache state (take it from a live engine, or use snapshot "
+                                    "version 2)")
             if not self.snapshot.prefix.is_current():
                 raise ForecastError("snapshot: the engine has changed since this snapshot was "
                                     "taken; a forecast with prefix caching needs a current one")

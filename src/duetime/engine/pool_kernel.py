@@ -388,6 +388,13 @@ def pool_cache(pool, kmap, b, key, undo):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True)
+def cache_many(pool, kmap, blocks, keys):  # pragma: no cover - jit
+    """Register ``blocks[i]`` under ``keys[i]``, in order (building a cache from a snapshot)."""
+    for i in range(blocks.shape[0]):
+        pool_cache(pool, kmap, blocks[i], keys[i], None)
+
+
+@njit(cache=True, nogil=True)
 def pool_lookup(kmap, rk, koff, nkey, uid, n, rb, at):  # pragma: no cover - jit
     """The longest cached run of a request's first ``n`` full blocks: written to
     ``rb[at:]``; returns its length."""

@@ -64,6 +64,11 @@ def block_keys(values: Sequence[Any] | np.ndarray | None) -> np.ndarray | None:
         return None
     if isinstance(values, np.ndarray) and values.dtype == np.int64:
         return values
+    if all(type(v) is int for v in values):  # the common form (to_dict writes integers)
+        try:
+            return np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass  # one is too big: block_key names it
     return np.array([block_key(v) for v in values], dtype=np.int64)
 
 
@@ -117,8 +122,7 @@ def build_state(config: SchedulerConfig, prompt: np.ndarray, output: np.ndarray,
     pool[:, pk.P_PRV] = 0
     pool[chain[:-1], pk.P_NXT] = chain[1:]
     pool[chain[1:], pk.P_PRV] = chain[:-1]
-    for b, key in zip(cached.tolist(), cached_free.tolist(), strict=True):
-        pk.pool_cache(pool, kmap, b, key, None)
+    pk.cache_many(pool, kmap, cached, cached_free)
     rk = np.concatenate(hashes) if n else np.zeros(0, dtype=np.int64)
     rows[:, C_NKEY] = [len(h) for h in hashes]
     rows[:, C_KOFF] = np.cumsum(rows[:, C_NKEY]) - rows[:, C_NKEY]

@@ -356,14 +356,23 @@ class Snapshot:
         return Snapshot(self.config, self.model, time=time, running=self.running_table,
                         waiting=self.waiting_table, prefix=self.prefix)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, version: int | None = None) -> dict[str, Any]:
         """The public JSON form: version 1, or version 2 with the prefix cache (block keys as
-        integers; see :mod:`duetime.engine.prefix_json`)."""
-        out = {"version": SNAPSHOT_VERSION, "time": self.time, "config": self.config.to_dict(),
+        integers; see :mod:`duetime.engine.prefix_json`), by default when caching is on.
+        ``version=1`` leaves the cache out of a caching snapshot (it is large: the free cached
+        blocks of the whole cache): ``enable_prefix_caching`` then says false and
+        ``prefix_cache_omitted`` true, and a forecast from it prices no cache hit."""
+        config = self.config.to_dict()
+        caching = self.config.enable_prefix_caching and self.prefix is not None
+        if caching and version == 1:
+            config["enable_prefix_caching"] = False
+        out = {"version": SNAPSHOT_VERSION, "time": self.time, "config": config,
                "batch_time": self.model.to_dict(),
                "running": [r.to_dict() for r in self.running],
                "waiting": [r.to_dict() for r in self.waiting]}
-        if self.config.enable_prefix_caching and self.prefix is not None:
+        if caching and version == 1:
+            out["prefix_cache_omitted"] = True
+        elif caching:
             try:
                 keys, cache = export_state(self.prefix, len(self.running_table))
             except ValueError as e:

@@ -1,0 +1,118 @@
+"""Block keys of a prompt without a tokenizer: what prefix caching shares between requests.
+
+vLLM's automatic prefix caching keys every full block of ``block_size`` tokens by a hash of
+its tokens chained to the previous block's key, so two requests share a block exactly when
+their tokens agree up to its end. The servers here have no tokenizer, so they key blocks the
+way they estimate prompt lengths (:mod:`duetime.serving.tokens`):
+
+* a prompt of token ids: the ids, ``block_size`` per block (exact, as vLLM);
+* a text prompt, or chat messages: the prompt's text, ``block_size * CHARS_PER_TOKEN``
+  characters per block (64 characters stand in for 16 tokens). Chat messages are rendered in
+  order as ``<|role|>\\n`` + content + ``\\n``, then the generation prompt ``<|assistant|>\\n``;
+  so a conversation's next turn (the same messages, the answer, a new message) starts with the
+  same text and shares the blocks of the turn before.
+
+``key_k = H(key_{k-1}, block k)`` with H = blake2b of 8 bytes read as a signed int64 (the same
+in every process); a request's ``cache_salt`` (vLLM's field) goes into the first block's key,
+so salted requests share blocks only with the same salt. Only full blocks get keys, and at
+most ``prompt_tokens // block_size`` of them (the estimate's full blocks).
+
+What the text estimate costs: text that a tokenizer would cut into the same tokens keys
+alike here, and text that differs keys apart, but a block boundary falls every 64 characters
+rather than every 16 tokens, so the cached prefix a hit reuses is as long as the shared text
+rounded down to 64 characters, estimated at 4 characters a token; two prompts that differ
+only in, say, whitespace that a tokenizer would merge never share here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+from duetime.serving.requests import CompletionRequest
+from duetime.serving.tokens import CHARS_PER_TOKEN, content_text
+
+_TOKENS, _TEXT = b"t", b"c"  # the two kinds of block content never share a key
+
+
+def _key(parent: bytes, kind: bytes, content: bytes) -> tuple[int, bytes]:
+    d = hashlib.blake2b(parent + kind + content, digest_size=8).digest()
+    return int.from_bytes(d, "little", signed=True), d
+
+
+def _chain(blocks: Sequence[bytes], kind: bytes, salt: str | None) -> list[int]:
+    parent = b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    out = []
+    for content in blocks:
+        key, parent = _key(parent, kind, content)
+        out.append(key)
+    return out
+
+
+def token_block_keys(ids: Sequence[int], block_size: int, *, salt: str | None = None,
+                     limit: int | None = None) -> list[int]:
+    """Chained keys of the full blocks of a prompt of token ids (at most ``limit``)."""
+    n = len(ids) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    if n <= 0:
+        return []
+    try:
+        raw = array("q", ids[:n * block_size]).tobytes()
+        step = 8 * block_size
+        blocks = [raw[i * step:(i + 1) * step] for i in range(n)]
+    except (OverflowError, TypeError):  # ids past int64 (no tokenizer has them): by digits
+        blocks = [",".join(map(str, ids[i * block_size:(i + 1) * block_size])).encode()
+                  for i in range(n)]
+    return _chain(blocks, _TOKENS, salt)
+
+
+def text_block_keys(text: str, block_size: int, *, salt: str | None = None,
+                    limit: int | None = None) -> list[int]:
+    """Chained keys of the full blocks of a text, ``block_size * CHARS_PER_TOKEN`` characters
+    each (at most ``limit``)."""
+    width = block_size * CHARS_PER_TOKEN
+    n = len(text) // width
+    if limit is not None:
+        n = min(n, limit)
+    if n <= 0:
+        return []
+    return _chain([text[i * width:(i + 1) * width].encode() for i in range(n)], _TEXT, salt)
+
+
+def chat_text(messages: Sequence[dict[str, Any]]) -> str:
+    """Chat messages as one text: ``<|role|>\\n`` + content + ``\\n`` per message, in order,
+    then ``<|assistant|>\\n`` (the generation prompt)."""
+    parts = [f"<|{m.get('role')}|>\n{content_text(m.get('content'))}\n" for m in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _token_ids(prompt: Any) -> list[int] | None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return prompt  # (parse_completion has checked every element)
+    return None
+
+
+def prompt_block_keys(req: CompletionRequest, block_size: int) -> list[int]:
+    """The block keys of a parsed (chat) completion request's prompt (see the module doc)."""
+    body = req.body
+    salt = body.get("cache_salt")
+    salt = salt if isinstance(salt, str) and salt else None
+    limit = req.prompt_tokens // block_size
+    if req.chat:
+        return text_block_keys(chat_text(body.get("messages") or []), block_size, salt=salt,
+                               limit=limit)
+    prompt = body.get("prompt")
+    ids = _token_ids(prompt)
+    if ids is not None:
+        return token_block_keys(ids, block_size, salt=salt, limit=limit)
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return text_block_keys(prompt, block_size, salt=salt, limit=limit)
+    return []
