@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 
+import numpy as np
 import pytest
 
 from duetime.cli import main
 from duetime.experiments import EXPERIMENTS
+from duetime.experiments import prefix as px
+from duetime.policy import make_policy
+from duetime.sim import ClusterSim
+from duetime.workload import load_workload
 
 REQUIRED = {"router", "rate", "mean_ttft_s", "p95_ttft_s", "on_time", "utility",
             "ontime_utility"}
@@ -41,6 +47,84 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         assert set(summary["ttca_gain"]) == {"laar_vs_load_aware", "laar_vs_session_affinity",
                                              "ttca_vs_laar"}
         assert summary["ttca_gain"]["laar_vs_load_aware"] > 0
+    if name == "prefix":
+        _check_prefix(out, rows, summary)
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_prefix(out, rows, summary) -> None:
+    views, workloads = ("precise", "estimated"), ("multi-turn", "system-prompts")
+    assert set(rows[0]) >= {"workload", "cache_view", "p50_ttft_s", "p90_ttft_s",
+                            "throughput_rps", "cache_hit_rate", "working_set_ratio"}
+    routers = {"sfs", "prefix-load", "cache-aware", "round-robin", "load-aware"}
+    for w in workloads:
+        for v in views:
+            got = {r["router"] for r in rows if r["workload"] == w and r["cache_view"] == v}
+            assert got >= routers
+            assert len({r["rate"] for r in rows if r["workload"] == w}) >= 2
+    gain = summary["sfs_gain_vs_best_cache_aware"]
+    assert set(gain) == set(views) and all(_finite(g) for g in gain.values())
+    by_w = summary["sfs_gain_vs_best_cache_aware_by_workload"]
+    for w in workloads:
+        assert all(_finite(by_w[w][v]) for v in views)
+        for v in views:
+            aucs = summary["auc"][w][v]
+            assert all(_finite(a) and a > 0 for a in aucs.values())
+            best = max(aucs["prefix-load"], aucs["cache-aware"])
+            assert by_w[w][v] == pytest.approx(aucs["sfs"] / best - 1)
+            p90 = summary["p90_ttft_vs_best_cache_aware"][v][w]
+            assert _finite(p90["sfs_mean_s"]) and _finite(p90["best_mean_s"])
+        lo, hi = summary["working_set_ratio_range"][w]
+        assert _finite(lo) and _finite(hi) and 0 < lo <= hi
+        hit = summary["mean_cache_hit_rate"][w]["precise"]
+        assert hit["prefix-load"] > hit["round-robin"] and hit["cache-aware"] > hit["round-robin"]
+    assert _finite(summary["kv_capacity_tokens"]) and summary["kv_capacity_tokens"] > 0
+    assert all(isinstance(x, bool) for x in summary["sfs_p90_no_worse_at_every_load"].values())
+    assert len(list(out.glob("prefix_*.png"))) == 6
+
+
+def test_prefix_streams_working_set() -> None:
+    """The multi-turn window runs at the nominal request rate (steady state) and its working
+    set grows with the rate; the system prompts' is the tenants used x their length."""
+    profile = load_workload("paper")
+    low = px.make_stream("multi-turn", profile, 3.0, 2000, 0)
+    high = px.make_stream("multi-turn", profile, 9.0, 2000, 0)
+    assert len(low.requests) == 2000 and low.requests.segments is not None
+    assert 2.5 < low.arrival_rps < 3.5 and 7.5 < high.arrival_rps < 10.5
+    assert 0 < low.working_set_tokens < high.working_set_tokens
+    sp = px.make_stream("system-prompts", profile, 5.0, 500, 0)
+    used = len(set(sp.requests.session.tolist()))
+    assert sp.working_set_tokens == used * px.SYSTEM_PROMPTS["system_tokens"]
+    assert sp.requests.prompt.min() > px.SYSTEM_PROMPTS["system_tokens"]
+
+
+def test_live_context_tokens() -> None:
+    """Turn j counts its prompt + answer from its arrival until its session's next turn."""
+    from duetime.workload import RequestSet
+
+    n = 3  # session 0: turns at 0 and 10; session 1: one turn at 5 (counts for nothing)
+    rs = RequestSet(np.array([0.0, 5.0, 10.0]), np.zeros(n, dtype=np.int64),
+                    np.array([100, 50, 400]), np.array([[20], [30], [40]]), np.zeros((n, 1)),
+                    np.ones(n), ["t"], ["m"], session=np.array([0, 1, 0]))
+    assert px.live_context_tokens(rs, 0.0, 10.0) == pytest.approx(120.0)
+    assert px.live_context_tokens(rs, 5.0, 15.0) == pytest.approx(120.0 * 5 / 10)
+
+
+def test_sfs_ignores_the_cache_view() -> None:
+    """Why the prefix experiment runs sfs (and the load-only routers) once per point: a policy
+    that does not consume the prefix index routes the same whatever the view."""
+    profile = load_workload("paper")
+    rs = px.make_stream("system-prompts", profile, 6.0, 200, 0).requests
+    got = []
+    for view in ("precise", "estimated"):
+        sim = ClusterSim(profile, make_policy("sfs", defaults={"lambda": profile.lam}),
+                         prefix_caching=True, cache_view=view)
+        res = sim.run(rs)
+        got.append((res.instance.copy(), res.first_token.copy()))
+    assert np.array_equal(got[0][0], got[1][0]) and np.array_equal(got[0][1], got[1][1])
 
 
 def test_simulate_command(tmp_path, capsys) -> None:

@@ -1,4 +1,5 @@
-"""The papers' experiments as named, reproducible runs (SFS: demo .. estimators; LAAR: ttca).
+"""The papers' experiments as named, reproducible runs (SFS: demo .. estimators; LAAR: ttca;
+prefix caching: prefix).
 
 Each writes ``results.csv`` (one row per router x setting), ``summary.json`` (headline
 numbers), PNG plots and ``report.md`` into its output folder. ``quick`` shrinks the runs (fewer
@@ -16,11 +17,14 @@ from typing import Any
 import numpy as np
 
 from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
+from duetime.experiments import prefix as px
 from duetime.experiments import report as rp
 from duetime.experiments.runner import Point, Runner
 from duetime.metrics import auc, forecast_mape, routing_share
-from duetime.policy import make_policy
+from duetime.policy import consumes, make_policy
+from duetime.policy.registry import PREFIX
 from duetime.predict.quality_source import TaskTable
+from duetime.sim.cache_view import CACHE_VIEWS
 from duetime.sim.retry import run_retries
 from duetime.workload import load_workload
 from duetime.workload.kvlookup import load_pool
@@ -35,6 +39,13 @@ DELTAS = (0, 1e-7, 3e-7, 4e-7, 1e-6, 2e-6, 3e-6, 4e-6, 5e-6, 8e-6, 1e-5, 5e-5, 1
 BASELINES = ("round-robin", "shortest-queue", "load-aware", "latency-agnostic")
 ESTIMATOR_ROUTERS = ("throughput", "lps")  # SFS's routing rule with coarser estimators
 TABLE = ["router", "rate", "mean_ttft_s", "p95_ttft_s", "on_time", "utility", "ontime_utility"]
+# prefix: the cache-aware baselines, then references (the load-sweep's baselines that route on
+# load alone, and latency-agnostic: SFS's utility without its TTFT forecast)
+CACHE_AWARE = ("prefix-load", "cache-aware")
+PREFIX_ROUTERS = ("sfs", *CACHE_AWARE, "round-robin", "load-aware", "latency-agnostic")
+PREFIX_REQUESTS = 5000
+PREFIX_QUICK_REQUESTS = 300
+PREFIX_QUICK_RATES = QUICK_RATES[::2]
 
 
 @dataclass(slots=True)
@@ -317,9 +328,234 @@ def _ttca_plots(out: Path, curves, contexts, languages, routers, per_setting) ->
     plt.close(fig)
 
 
+def prefix(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+    """Prefix caching (every instance caches): load sweeps on multi-turn chat and on shared
+    system prompts over the load-sweep's pool and rates, with working sets near and above the
+    pool's KV capacity (:mod:`duetime.experiments.prefix`); each policy that reads the cache
+    view runs with both views, the others once per point (their row stands for both views)."""
+    profile = load_workload("paper")
+    rates = PREFIX_QUICK_RATES if quick else PAPER_RATES
+    n = PREFIX_QUICK_REQUESTS if quick else PREFIX_REQUESTS
+    cap_by_model = px.kv_capacity_tokens(profile)
+    cap = sum(cap_by_model.values())
+    runners = {v: Runner(profile, seed=seed, prefix_caching=True, cache_view=v)
+               for v in CACHE_VIEWS}
+    reads = {r: PREFIX in consumes(r) for r in PREFIX_ROUTERS}
+    total = len(px.WORKLOADS) * len(rates) * sum(len(CACHE_VIEWS) if reads[r] else 1
+                                                 for r in PREFIX_ROUTERS)
+    rows: list[dict[str, Any]] = []
+    k = 0
+    for w in px.WORKLOADS:
+        for rate in rates:
+            s = px.make_stream(w, profile, rate, n, seed)
+            info = {"workload": w, "arrival_rps": s.arrival_rps,
+                    "working_set_tokens": s.working_set_tokens,
+                    "working_set_ratio": s.working_set_tokens / cap}
+            for r in PREFIX_ROUTERS:
+                for v in CACHE_VIEWS if reads[r] else CACHE_VIEWS[:1]:
+                    p = Point(r, rate, n)
+                    runners[v].set_stream(p, s.requests)
+                    row, res = runners[v].run(p)
+                    sim_s = max(res.simulated_s, 1e-9)
+                    row.update(info, arrivals="poisson sessions" if w == "multi-turn"
+                               else "poisson",
+                               p90_ttft_s=float(np.percentile(res.ttft, 90)),
+                               throughput_rps=len(res.ttft) / sim_s,
+                               output_tok_s=float(res.output_tokens.sum()) / sim_s)
+                    share = np.bincount(res.model, minlength=len(profile.model_names))
+                    row.update({f"share_{m}": float(c) / len(res.model)
+                                for m, c in zip(profile.model_names, share, strict=True)})
+                    for view in (v,) if reads[r] else CACHE_VIEWS:
+                        rows.append(dict(row, cache_view=view, view_shared=not reads[r]))
+                    k += 1
+                    log(f"[{k}/{total}] {w}, {v if reads[r] else 'either view'}: {r} @ "
+                        f"{rate:g} q/s: OnTimeUtility {row['ontime_utility']:.3f}, hit rate "
+                        f"{row['cache_hit_rate']:.3f}, p90 TTFT {row['p90_ttft_s']:.3f} s "
+                        f"({row['wall_s']:.1f} s)")
+    summary, sections = _prefix_summary(out, rows, rates, n, cap, cap_by_model, reads,
+                                        profile.model_names)
+    return Outcome(rows, summary, sections)
+
+
+def _prefix_summary(out: Path, rows: list[dict[str, Any]], rates: tuple, n: int, cap: int,
+                    cap_by_model: dict[str, int], reads: dict[str, bool], models: list[str]
+                    ) -> tuple[dict[str, Any], list[str]]:
+    def sel(w: str, v: str, r: str) -> list[dict[str, Any]]:
+        return sorted((x for x in rows if x["workload"] == w and x["cache_view"] == v
+                       and x["router"] == r), key=lambda x: x["rate"])
+
+    wls, views = px.WORKLOADS, CACHE_VIEWS
+    aucs = {w: {v: {r: auc([x["rate"] for x in sel(w, v, r)],
+                           [x["ontime_utility"] for x in sel(w, v, r)])
+                    for r in PREFIX_ROUTERS} for v in views} for w in wls}
+    hits = {w: {v: {r: float(np.mean([x["cache_hit_rate"] for x in sel(w, v, r)]))
+                    for r in PREFIX_ROUTERS} for v in views} for w in wls}
+    mean_p90 = {w: {v: {r: float(np.mean([x["p90_ttft_s"] for x in sel(w, v, r)]))
+                        for r in PREFIX_ROUTERS} for v in views} for w in wls}
+    best = {w: {v: max(CACHE_AWARE, key=lambda r, w=w, v=v: aucs[w][v][r]) for v in views}
+            for w in wls}
+    by_w = {w: {v: aucs[w][v]["sfs"] / aucs[w][v][best[w][v]] - 1 for v in views} for w in wls}
+    gain = {v: sum(aucs[w][v]["sfs"] for w in wls)
+            / sum(aucs[w][v][best[w][v]] for w in wls) - 1 for v in views}
+    p90: dict[str, dict[str, Any]] = {v: {} for v in views}
+    for v in views:
+        for w in wls:
+            a = [x["p90_ttft_s"] for x in sel(w, v, "sfs")]
+            no_worse = {r: sum(x <= y["p90_ttft_s"] for x, y in zip(a, sel(w, v, r),
+                                                                   strict=True))
+                        for r in CACHE_AWARE}
+            p90[v][w] = {"best_cache_aware": best[w][v], "sfs_mean_s": mean_p90[w][v]["sfs"],
+                         "best_mean_s": mean_p90[w][v][best[w][v]],
+                         "loads_sfs_no_worse": no_worse[best[w][v]],
+                         "loads_sfs_no_worse_by_policy": no_worse, "loads": len(a)}
+    p90_ok = {v: all(p90[v][w]["loads_sfs_no_worse"] == p90[v][w]["loads"] for w in wls)
+              for v in views}
+    ws = {w: {f"{rate:g}": next(x["working_set_ratio"] for x in rows
+                                if x["workload"] == w and x["rate"] == rate) for rate in rates}
+          for w in wls}
+    summary = {
+        "rates": list(rates), "requests_per_point": n, "workloads": list(wls),
+        "routers": list(PREFIX_ROUTERS), "cache_views": list(views),
+        "view_independent_routers": [r for r in PREFIX_ROUTERS if not reads[r]],
+        "auc": aucs, "mean_cache_hit_rate": hits, "mean_p90_ttft_s": mean_p90,
+        "best_cache_aware": best,
+        "sfs_gain_vs_best_cache_aware": gain,
+        "sfs_gain_vs_best_cache_aware_by_workload": by_w,
+        "p90_ttft_vs_best_cache_aware": p90, "sfs_p90_no_worse_at_every_load": p90_ok,
+        "target_met_precise": bool(gain["precise"] >= 0.3 and p90_ok["precise"]),
+        "kv_capacity_tokens": cap, "kv_capacity_tokens_by_instance": cap_by_model,
+        "working_set_ratio": ws,
+        "working_set_ratio_range": {w: [min(ws[w].values()), max(ws[w].values())]
+                                    for w in wls},
+        "workload_params": {"multi-turn": px.MULTI_TURN, "system-prompts": px.SYSTEM_PROMPTS},
+        "note": "gain = sum over workloads of sfs's OnTimeUtility AUC / sum of the better "
+                "cache-aware policy's (per workload and view) - 1; routers that do not read the "
+                "cache view ran once per point (view_shared); sfs reads each instance's "
+                "snapshot, which carries its cache exactly in either view"}
+    sections = [_prefix_intro(rows, rates, n, cap, cap_by_model, reads),
+                _prefix_headline(summary)]
+    for w in wls:
+        stem = w.replace("-", "_")
+        panels = {v: [x for x in rows if x["workload"] == w and x["cache_view"] == v]
+                  for v in views}
+        for y, name, label, logy in (("ontime_utility", "ontime_utility", "OnTimeUtility",
+                                      False),
+                                     ("cache_hit_rate", "hit_rate", "cache hit rate", False),
+                                     ("p90_ttft_s", "p90_ttft", "p90 TTFT (s)", True)):
+            rp.panels_plot(out / f"prefix_{stem}_{name}.png",
+                           [(f"{v} view", panels[v]) for v in views], "rate", y,
+                           title=f"{w}: {label} vs load", xlabel="arrival rate (q/s)",
+                           ylabel=label, logy=logy)
+        sections.append(_prefix_workload_section(w, stem, rows, aucs[w], hits[w], best[w]))
+    cols = ["workload", "cache_view", "router", "rate", "ontime_utility", "on_time",
+            "p50_ttft_s", "p90_ttft_s", "throughput_rps", "cache_hit_rate",
+            *(f"share_{m}" for m in models), "view_shared"]
+    sections.append("## All points\n\n" + rp.md_table(
+        sorted(rows, key=lambda x: (x["workload"], x["cache_view"], x["router"], x["rate"])),
+        cols))
+    return summary, sections
+
+
+def _prefix_intro(rows: list[dict[str, Any]], rates: tuple, n: int, cap: int,
+                  cap_by_model: dict[str, int], reads: dict[str, bool]) -> str:
+    mt, sp = px.MULTI_TURN, px.SYSTEM_PROMPTS
+    ws_rows = []
+    for rate in rates:
+        got = {x["workload"]: x for x in rows if x["rate"] == rate}
+        row: dict[str, Any] = {"rate": rate}
+        for w in px.WORKLOADS:
+            row[f"{w} working set (tokens)"] = round(got[w]["working_set_tokens"])
+            row[f"{w} / capacity"] = got[w]["working_set_ratio"]
+            row[f"{w} q/s realised"] = got[w]["arrival_rps"]
+        ws_rows.append(row)
+    shared = ", ".join(r for r in PREFIX_ROUTERS if not reads[r])
+    return (
+        "## Setting\n\n"
+        f"The load-sweep's pool (the `paper` profile: one instance per model) with vLLM's "
+        f"automatic prefix caching on every instance; {n} requests per point at "
+        f"{', '.join(f'{r:g}' for r in rates)} q/s. KV capacity (usable blocks x block size): "
+        + ", ".join(f"{m} {c:,}" for m, c in cap_by_model.items())
+        + f" tokens, {cap:,} in all (the built-in profile's blocks, unscaled; the prefixes are "
+        "sized to it).\n\n"
+        f"- `multi-turn`: chat sessions of ~{mt['mean_turns']:g} turns (geometric, at most "
+        f"{mt['max_turns']}), {mt['think_time_s']:g} s of thinking between turns (exponential), "
+        f"questions LogNormal(median {mt['question_tokens']['median']}, sigma "
+        f"{mt['question_tokens']['sigma']}) and answers LogNormal(median "
+        f"{mt['answer_tokens']['median']}, sigma {mt['answer_tokens']['sigma']}) tokens; each "
+        "prompt is the conversation so far. Sessions start at rate / mean turns; each point's "
+        f"requests are the turns after a {mt['warmup_s']:g} s warm-up (steady state). Working "
+        "set: the time average of the live sessions' contexts.\n"
+        f"- `system-prompts`: {sp['tenants']} tenants with {sp['system_tokens']}-token system "
+        f"prompts ({sp['tenants'] * sp['system_tokens'] / cap:.2f}x the capacity), "
+        f"Zipf({sp['zipf_s']:g}) popularity; the question is the profile's prompt for the "
+        "request's task. Working set: the system prompts of the tenants the point's requests "
+        "use.\n\n"
+        f"Routers: {', '.join(PREFIX_ROUTERS)}. Those that do not read the cache view ({shared}) "
+        "ran once per point; their row stands for both views. `sfs` forecasts from each "
+        "instance's snapshot, which carries the instance's cache exactly whichever the view: "
+        "the `estimated` view handicaps only the cache-aware baselines. Costs (and so "
+        "utility) charge every prompt token at the prompt price, cached or not.\n\n"
+        "### Working set / KV capacity\n\n"
+        + rp.md_table(ws_rows, list(ws_rows[0])))
+
+
+def _prefix_headline(summary: dict[str, Any]) -> str:
+    gain, by_w = summary["sfs_gain_vs_best_cache_aware"], summary[
+        "sfs_gain_vs_best_cache_aware_by_workload"]
+    p90 = summary["p90_ttft_vs_best_cache_aware"]
+    table = []
+    for v in CACHE_VIEWS:
+        for w in px.WORKLOADS:
+            q = p90[v][w]
+            means = summary["mean_p90_ttft_s"][w][v]
+            table.append({"view": v, "workload": w, "best cache-aware": q["best_cache_aware"],
+                          "sfs AUC gain": f"{by_w[w][v]:+.1%}",
+                          **{f"{r} mean p90 (s)": means[r] for r in ("sfs", *CACHE_AWARE)},
+                          **{f"loads sfs p90 <= {r}'s": f"{c}/{q['loads']}"
+                             for r, c in q["loads_sfs_no_worse_by_policy"].items()}})
+        table.append({"view": v, "workload": "both", "sfs AUC gain": f"{gain[v]:+.1%}"})
+    met = summary["target_met_precise"]
+    return ("## SFS vs the better cache-aware policy\n\n"
+            "The better of prefix-load and cache-aware is the one with the higher OnTimeUtility "
+            "AUC on the workload in the view; over both workloads the gain is Σ sfs AUC / Σ the "
+            "better one's AUC - 1. p90 TTFT: the mean over the loads, and at how many loads sfs's "
+            "is no worse.\n\n"
+            + rp.md_table(table, ["view", "workload", "best cache-aware", "sfs AUC gain",
+                                  *(f"{r} mean p90 (s)" for r in ("sfs", *CACHE_AWARE)),
+                                  *(f"loads sfs p90 <= {r}'s" for r in CACHE_AWARE)])
+            + f"\nTarget (precise view: AUC gain >= 30% and p90 TTFT no worse at every load): "
+            f"{'met' if met else 'not met'}. Estimated view: {gain['estimated']:+.1%} "
+            f"(precise {gain['precise']:+.1%}).\n")
+
+
+def _prefix_workload_section(w: str, stem: str, rows: list[dict[str, Any]],
+                             aucs: dict[str, dict[str, float]], hits: dict[str, dict[str, float]],
+                             best: dict[str, str]) -> str:
+    table = [{"router": r, **{f"AUC {v}": aucs[v][r] for v in CACHE_VIEWS},
+              **{f"mean hit rate {v}": hits[v][r] for v in CACHE_VIEWS}}
+             for r in PREFIX_ROUTERS]
+    p90 = []
+    for rate in sorted({x["rate"] for x in rows}):
+        row: dict[str, Any] = {"rate": rate}
+        for v in CACHE_VIEWS:
+            for r in ("sfs", *CACHE_AWARE):
+                row[f"{r} {v}"] = next(x["p90_ttft_s"] for x in rows if x["workload"] == w
+                                       and x["cache_view"] == v and x["router"] == r
+                                       and x["rate"] == rate)
+        p90.append(row)
+    return (f"## `{w}`\n\nOnTimeUtility AUC over load and mean cache hit rate (better "
+            f"cache-aware policy: {', '.join(f'{v} {best[v]}' for v in CACHE_VIEWS)})\n\n"
+            + rp.md_table(table, list(table[0]))
+            + f"\n![OnTimeUtility](prefix_{stem}_ontime_utility.png)\n\n"
+            f"![hit rate](prefix_{stem}_hit_rate.png)\n\n"
+            f"![p90 TTFT](prefix_{stem}_p90_ttft.png)\n\n"
+            "p90 TTFT (s) per load\n\n" + rp.md_table(p90, list(p90[0])))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
-    "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca}
+    "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
+    "prefix": prefix}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,

@@ -172,7 +172,7 @@ def _write_requests(path: Path, res: SimResult) -> None:
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     """Register ``experiment`` and ``simulate`` on the ``duetime`` parser tree."""
     p = command("experiment", lambda a: _cmd_experiment(a, error),
-                "run one of the SFS paper's experiments in simulation",
+                "run one of the papers' experiments (or the prefix-caching one) in simulation",
                 "Run a named experiment over the simulated pool and write results.csv, "
                 "summary.json, PNG plots and report.md into --out. Experiments: "
                 + ", ".join(EXPERIMENTS) + ".")
@@ -180,7 +180,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help=f"one of: {', '.join(EXPERIMENTS)}")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
     p.add_argument("--quick", action="store_true",
-                   help="fewer requests and rates (about two minutes)")
+                   help="fewer requests and rates (seconds to a few minutes)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
 
     p = command("simulate", lambda a: _cmd_simulate(a, error),

@@ -98,3 +98,31 @@ def bar_plot(path: Path, shares: dict[str, dict[str, dict[str, float]]], models:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def panels_plot(path: Path, panels: list[tuple[str, list[dict[str, Any]]]], x: str, y: str, *,
+                group: str = "router", title: str = "", xlabel: str = "", ylabel: str = "",
+                logy: bool = False) -> None:
+    """Side-by-side line plots sharing the y axis, one per (panel title, rows); a line per
+    ``group`` value, in the order they first appear."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), dpi=110,
+                             sharey=True, squeeze=False)
+    for ax, (name, rows) in zip(axes[0], panels, strict=True):
+        groups: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            groups.setdefault(str(r[group]), []).append((float(r[x]), float(r[y])))
+        for g, pts in groups.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=g,
+                    lw=2.2 if g == "sfs" else 1.2)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel or x)
+        ax.grid(alpha=0.3)
+        if logy:
+            ax.set_yscale("log")
+    axes[0][0].set_ylabel(ylabel or y)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
