@@ -91,8 +91,7 @@ def config_array(cfg: SchedulerConfig) -> np.ndarray:
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
                      block_shift(cfg.block_size), cfg.watermark_blocks,
-                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling),
-                     int(cfg.enable_prefix_caching)],
+                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling)],
                     dtype=np.int64)
 
 

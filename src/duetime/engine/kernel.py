@@ -25,7 +25,7 @@ Layout (all int64 unless noted; request ``r`` is an index):
 * ``cfg``: budget, chunk cap (the long-prefill threshold, or the budget), max_num_seqs,
   max_model_len, block size, usable blocks, log2(block size) or -1 (see
   :mod:`duetime.engine.kv`), watermark blocks, full-sequence admission (0/1), asynchronous
-  scheduling (0/1), prefix caching (0/1);
+  scheduling (0/1) (prefix caching is not a flag: see the pool arguments below);
 * with prefix caching, the block pool (:mod:`duetime.engine.pool_kernel`): ``pool``, ``kmap``
   and the arenas ``rb`` (each request's blocks, from column ``BOFF``) and ``rk`` (its known
   block keys, ``NKEY`` of them from column ``KOFF``); ``NCACHED``: its blocks registered in
@@ -66,7 +66,7 @@ assert HELD == 4
 K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL, PQ, PH = range(10)
 ST_SIZE = 10
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
-BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC, CACHING = range(11)
+BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC = range(10)
 # step()'s ``out``: see step()
 OUT_SIZE = 10
 
