@@ -312,8 +312,8 @@ class Snapshot:
             else:
                 first(where, tab.computed != 0, ".computed_tokens",
                       lambda i, t=tab: "a waiting request holds no KV cache (recompute "
-                      "preemption, no prefix caching), so it must be 0, got "
-                      f"{t.computed[i]}")
+                      "preemption; its prefix-cache hits count when it is admitted), so it "
+                      f"must be 0, got {t.computed[i]}")
         ids = run.ids + wait.ids
         if len(set(ids)) != len(ids):
             seen: set[str] = set()
