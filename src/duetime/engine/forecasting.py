@@ -330,8 +330,9 @@ class Forecaster:
         state = self._state
         if self._caching:  # from the snapshot again, on the borrowed cache (see __init__)
             state = _state(self.snapshot, self.sigma)
-            # (each time costs it all again: go far enough for this probe's admission too)
-            target = max(target + self._cap, 2 * int(self._room[0]))
+            # (each time costs it all again: go far enough for this probe's admission, and for
+            # most later probes: a few more steps now spare a whole replay later)
+            target = max(target + self._cap, 2 * int(self._room[0]), 4 * self._budget)
             self._n = 0
             self._room[:] = 0
         try:
