@@ -24,6 +24,19 @@ def _config(rng: random.Random) -> SchedulerConfig:
                            async_scheduling=rng.random() < 0.5)
 
 
+def _same_step(got, want, fast: Engine, ref: ReferenceEngine) -> None:
+    """The compiled engine's step and state are the reference loop's."""
+    assert (got.index, got.start, got.end) == (want.index, want.start, want.end)
+    assert sorted(got.first_token) == sorted(want.first_token)
+    assert sorted(got.finished) == sorted(want.finished)
+    assert got.tokens == want.tokens
+    assert got.preempted == len(want.preempted)
+    assert got.scheduled == len(want.prefill) + len(want.decode)
+    assert fast.running_ids() == [r.id for r in ref.running]
+    assert fast.waiting_ids() == [r.id for r in ref.waiting]
+    assert fast.free_blocks == ref.free_blocks
+
+
 @pytest.mark.parametrize("seed", range(80))
 def test_compiled_engine_matches_reference_step_for_step(seed: int) -> None:
     rng = random.Random(seed)
@@ -51,15 +64,7 @@ def test_compiled_engine_matches_reference_step_for_step(seed: int) -> None:
         if want is None:
             assert got is None
             continue
-        assert (got.index, got.start, got.end) == (want.index, want.start, want.end)
-        assert sorted(got.first_token) == sorted(want.first_token)
-        assert sorted(got.finished) == sorted(want.finished)
-        assert got.tokens == want.tokens
-        assert got.preempted == len(want.preempted)
-        assert got.scheduled == len(want.prefill) + len(want.decode)
-        assert fast.running_ids() == [r.id for r in ref.running]
-        assert fast.waiting_ids() == [r.id for r in ref.waiting]
-        assert fast.free_blocks == ref.free_blocks
+        _same_step(got, want, fast, ref)
     assert n_added > 20
 
 
@@ -190,15 +195,9 @@ def test_compiled_engine_caches_prefixes_as_the_reference(seed: int) -> None:
         if want is None:
             assert got is None
             continue
-        assert (got.index, got.start, got.end) == (want.index, want.start, want.end)
-        assert sorted(got.first_token) == sorted(want.first_token)
-        assert sorted(got.finished) == sorted(want.finished)
-        assert got.preempted == len(want.preempted)
+        _same_step(got, want, fast, ref)
         assert got.prefix_hits == sum(n for _, n in want.hits)
         hits += got.prefix_hits
-        assert fast.running_ids() == [r.id for r in ref.running]
-        assert fast.waiting_ids() == [r.id for r in ref.waiting]
-        assert fast.free_blocks == ref.free_blocks
         fast.check_invariants()
     assert n_added > 20 and hits > 0
 

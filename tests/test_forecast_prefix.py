@@ -30,15 +30,10 @@ def _engine(seed: int) -> tuple[Engine, list[list[int]], list[tuple[int, list[in
     history: list[tuple[int, list[int]]] = []
     for k in range(rng.randint(5, 120)):
         for _ in range(rng.choice([0, 0, 1, 2])):
-            if history and rng.random() < 0.4:
-                base, keys = rng.choice(history)
-            else:
-                keys = rng.choice(systems)
-                base = len(keys) * bs
+            base, keys = _shared(rng, bs, systems, history, 0.4)
             p = min(base + rng.randint(1, 150), 3000)
             t = rng.randint(1, 40)
-            keys = (keys[:p // bs] + [rng.getrandbits(62) for _ in range((p + t) // bs)])[
-                :(p + t) // bs]
+            keys = _continued(rng, keys, p, p + t, bs)
             history.append((p + t, keys))
             eng.add(f"q{k}.{len(history)}", p, t, hashes=keys)
         eng.step()
@@ -48,15 +43,28 @@ def _engine(seed: int) -> tuple[Engine, list[list[int]], list[tuple[int, list[in
 def _probes(rng: random.Random, bs: int, systems, history) -> list[tuple[int, list[int]]]:
     out = []
     for _ in range(4):
-        if history and rng.random() < 0.5:
-            tokens, keys = rng.choice(history)
-        else:
-            keys = rng.choice(systems)
-            tokens = len(keys) * bs
+        tokens, keys = _shared(rng, bs, systems, history, 0.5)
         p = min(tokens + rng.randint(1, 100), 3500)
-        out.append((p, (keys[:p // bs] + [rng.getrandbits(62) for _ in range(p // bs)])[
-            :p // bs]))
+        out.append((p, _continued(rng, keys, p, p, bs)))
     return out
+
+
+def _shared(rng: random.Random, bs: int, systems, history, p_history: float
+            ) -> tuple[int, list[int]]:
+    """(tokens, keys) a new sequence starts with: an earlier one (with probability
+    ``p_history``), else a system prompt."""
+    if history and rng.random() < p_history:
+        return rng.choice(history)
+    keys = rng.choice(systems)
+    return len(keys) * bs, keys
+
+
+def _continued(rng: random.Random, keys: list[int], shared: int, tokens: int,
+               bs: int) -> list[int]:
+    """The keys of a sequence of ``tokens`` that shares its first ``shared`` tokens' blocks
+    with ``keys`` and goes on with new content."""
+    return (keys[:shared // bs] + [rng.getrandbits(62) for _ in range(tokens // bs)])[
+        :tokens // bs]
 
 
 @pytest.mark.parametrize("seed", range(40))

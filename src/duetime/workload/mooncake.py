@@ -17,7 +17,7 @@ import numpy as np
 
 from duetime.workload.prefix import assemble
 from duetime.workload.profile import ProfileError, WorkloadProfile
-from duetime.workload.requests import RequestSet
+from duetime.workload.requests import RequestSet, read_trace_text
 from duetime.workload.segments import TAG_BITS, TAG_MOONCAKE, TAG_MOONCAKE_ANSWER, SegmentIds
 
 _ID_LIMIT = 1 << TAG_BITS
@@ -46,10 +46,7 @@ def load_mooncake_trace(path: str | Path, profile: WorkloadProfile, rng: np.rand
     becomes ``session``; other keys are ignored. A bad row is a :class:`ProfileError` naming
     ``file:line`` and the field."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read ({e.strerror or e})") from None
+    text = read_trace_text(path)
     arrival: list[float] = []
     out: list[int] = []
     segments: list[tuple[tuple[int, int], ...]] = []

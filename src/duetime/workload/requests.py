@@ -78,6 +78,14 @@ def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,
                       tasks, models)
 
 
+def read_trace_text(path: Path) -> str:
+    """A trace file's text; a :class:`ProfileError` naming it if it cannot be read."""
+    try:
+        return path.read_text()
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
 TRACE_COLUMNS = ("arrival", "task", "prompt_tokens", "output_tokens", "ttft_target_ms")
 
 
@@ -91,10 +99,7 @@ def load_trace(path: str | Path, profile: WorkloadProfile,
     ``quality_<model>`` (optional: else drawn from the profile). Rows are sorted by arrival.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ProfileError(f"{path}: cannot read ({e.strerror or e})") from None
+    text = read_trace_text(path)
     rows: list[dict] = []
     if path.suffix == ".jsonl":
         for i, line in enumerate(text.splitlines(), 1):
