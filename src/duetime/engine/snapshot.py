@@ -159,6 +159,8 @@ def _prefix_state_in(s: _SnapshotIn, config: SchedulerConfig, running: RequestTa
                      waiting: RequestTable) -> PrefixState | None:
     """The cache of a version-2 snapshot with prefix caching (None otherwise); errors name the
     field."""
+    if s.version == 1 and not config.enable_prefix_caching and s.prefix_cache is None:
+        return None  # (the common case, polled many times a second: no scan of the requests)
     listed = s.prefix_cache is not None or any("block_hashes" in r
                                                for r in (*s.running, *s.waiting))
     if s.version == 1 and (config.enable_prefix_caching or listed):
