@@ -205,7 +205,9 @@ def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed, logged):
             start, start_keys = pool.copy(), kmap.copy()
     if undo is not None:
         pk.undo_all(pool, kmap, undo)
-        assert (pool == start).all() and (kmap == start_keys).all()
+        # (the data: each row's and slot's last column is the log's mark)
+        assert (pool[:, :pk.SAVED] == start[:, :pk.SAVED]).all()
+        assert (kmap[:, :2] == start_keys[:, :2]).all()
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -236,4 +238,4 @@ def test_the_key_table_is_a_map(seed):
             undo = pk.new_undo(pool, table)
             before, before_map = table.copy(), dict(want)
     pk.undo_all(pool, table, undo)
-    assert (table == before).all() and pk.key_items(table) == before_map
+    assert (table[:, :2] == before[:, :2]).all() and pk.key_items(table) == before_map

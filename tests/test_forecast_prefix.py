@@ -9,18 +9,27 @@ import random
 import numpy as np
 import pytest
 
-from duetime.engine import Engine, EngineStuck, ForecastError, SchedulerConfig, forecast
-from duetime.engine.pool_kernel import queue_of
+from duetime.engine import (
+    Engine,
+    EngineStuck,
+    ForecastError,
+    SchedulerConfig,
+    forecast,
+    replay,
+)
+from duetime.engine.pool_kernel import SAVED, U_OWNER, queue_of
 from snapshots import PAPER4, SFS6
 
 
-def _engine(seed: int) -> tuple[Engine, list[list[int]], list[tuple[int, list[int]]]]:
-    """An engine with caching, after a seeded history of shared-prefix arrivals."""
+def _engine(seed: int, blocks: int | None = None
+            ) -> tuple[Engine, list[list[int]], list[tuple[int, list[int]]]]:
+    """An engine with caching, after a seeded history of shared-prefix arrivals (``blocks``:
+    its KV blocks, instead of a seeded choice)."""
     rng = random.Random(seed)
-    cfg = SchedulerConfig(max_num_batched_tokens=rng.choice([64, 512, 2048]),
-                          max_num_seqs=rng.choice([4, 16, 64]), max_model_len=4096,
-                          block_size=rng.choice([4, 16]),
-                          num_gpu_blocks=rng.choice([120, 400, 5000]),
+    budget, seqs, bs = rng.choice([64, 512, 2048]), rng.choice([4, 16, 64]), rng.choice([4, 16])
+    drawn = rng.choice([120, 400, 5000])
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seqs, max_model_len=4096,
+                          block_size=bs, num_gpu_blocks=drawn if blocks is None else blocks,
                           long_prefill_token_threshold=rng.choice([0, 0, 64]),
                           scheduler_reserve_full_isl=rng.choice([True, True, False]),
                           async_scheduling=rng.random() < 0.5, enable_prefix_caching=True)
@@ -31,8 +40,9 @@ def _engine(seed: int) -> tuple[Engine, list[list[int]], list[tuple[int, list[in
     for k in range(rng.randint(5, 120)):
         for _ in range(rng.choice([0, 0, 1, 2])):
             base, keys = _shared(rng, bs, systems, history, 0.4)
-            p = min(base + rng.randint(1, 150), 3000)
             t = rng.randint(1, 40)
+            # (what fits the instance: a request that never can would block the queue)
+            p = min(base + rng.randint(1, 150), 3000, cfg.usable_blocks * bs - t - 1)
             keys = _continued(rng, keys, p, p + t, bs)
             history.append((p + t, keys))
             eng.add(f"q{k}.{len(history)}", p, t, hashes=keys)
@@ -67,9 +77,12 @@ def _continued(rng: random.Random, keys: list[int], shared: int, tokens: int,
         :tokens // bs]
 
 
+@pytest.mark.parametrize("blocks", [None, 120])
 @pytest.mark.parametrize("seed", range(40))
-def test_a_forecast_with_caching_is_the_future_the_engine_runs(seed: int) -> None:
-    eng, systems, history = _engine(seed)
+def test_a_forecast_with_caching_is_the_future_the_engine_runs(seed: int, blocks) -> None:
+    """(``blocks=120``: KV so tight that the replays preempt requests that held blocks at the
+    snapshot, and admit them again.)"""
+    eng, systems, history = _engine(seed, blocks)
     snap = eng.snapshot()
     pool, keys, free = eng._pool.copy(), eng._kmap.copy(), eng.free_blocks
     rng = random.Random(seed)
@@ -78,12 +91,14 @@ def test_a_forecast_with_caching_is_the_future_the_engine_runs(seed: int) -> Non
             got = forecast(snap, p, prompt_hashes=hashes)
         except ForecastError:
             continue
-        # the engine's cache is as it was
-        assert (eng._pool == pool).all() and (eng._kmap == keys).all()
-        assert eng.free_blocks == free
+        # the engine's cache is as it was once the engine reads it (a forecaster keeps its
+        # replay on it until then: pool_kernel.lease)
         eng.check_invariants()
+        assert (eng._pool[:, :SAVED] == pool[:, :SAVED]).all()
+        assert (eng._kmap[:, :2] == keys[:, :2]).all()
+        assert eng.free_blocks == free
         # the same engine, really run with the probe
-        twin = _engine(seed)[0]
+        twin = _engine(seed, blocks)[0]
         twin.add("probe", p, 1, hashes=hashes)
         t0 = twin.time
         if np.isinf(got.estimate_s):  # the queue ahead is blocked for good
@@ -180,6 +195,10 @@ def test_the_json_form_forecasts_as_the_live_engine(seed: int) -> None:
     (lambda d: d["running"][0].update(block_hashes=[1 << 70]), "does not fit 64 bits"),
     (lambda d: d["prefix_cache"].update(free_empty=97), "exceed the 96 blocks"),
     (lambda d: d["prefix_cache"].update(extra=1), "prefix_cache.extra"),
+    (lambda d: d["running"][0].update(block_ids=[1, 2]), r"running\[0\]\.block_ids: 2 ids"),
+    (lambda d: d["running"][0].update(block_ids=["x", 1, 2]), r"running\[0\]\.block_ids"),
+    (lambda d: d["running"][0].update(block_ids=[7, 7, 8]), "under two different hashes"),
+    (lambda d: d["waiting"][0].update(block_ids=[1]), r"waiting\[0\]\.block_ids"),
 ])
 def test_version_2_errors_name_the_field(change, message) -> None:
     import copy
@@ -207,3 +226,114 @@ def test_the_cli_forecasts_a_version_2_snapshot(tmp_path) -> None:
         return json.loads(out.stdout)
 
     assert run("--prompt-hashes", '["t0", "t1", "t2"]')["estimate_s"] < run()["estimate_s"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_forecasters_that_keep_the_cache_take_turns(seed: int) -> None:
+    """A forecaster keeps its replay on the engine's cache between calls (a lease); another
+    forecaster of the same state, an exact replay, or the engine itself takes the cache back
+    first. Interleaved — short probes, then longer ones that make each forecaster replay
+    further — every answer is the one a fresh forecaster gives, and the engine then runs as
+    a twin that was never forecast."""
+    eng, systems, _ = _engine(seed, blocks=5000)  # (roomy: the probes rarely replay alone)
+    rng = random.Random(seed)
+    bs = eng.config.block_size
+    probes = []
+    for p in (bs + 1, 3 * bs, 300, 1200, 2500, 3500):
+        keys = _continued(rng, rng.choice(systems), p, p, bs)
+        probes += [(p, keys), (p, keys)]
+    want = {}
+    for i, (p, hashes) in enumerate(probes):  # each alone: a fresh snapshot, a fresh forecaster
+        try:
+            want[i] = forecast(eng.snapshot(time=eng.time), p, prompt_hashes=hashes).estimate_s
+        except ForecastError:
+            want[i] = None
+    a, b = eng.snapshot(), eng.snapshot(time=eng.time)  # two forecasters of one state
+    for i, (p, hashes) in enumerate(probes):
+        try:
+            got = forecast(a if i % 2 else b, p, prompt_hashes=hashes).estimate_s
+        except ForecastError:
+            got = None
+        assert got == want[i], f"probe {i}"
+        if i % 5 == 4 and want[i] is not None:  # an exact replay takes the cache in between
+            replay(a, p, prompt_hashes=hashes)
+    twin = _engine(seed, blocks=5000)[0]
+    leased = 0
+    for _ in range(60):  # the engine takes its cache back before it steps
+        if eng.idle:
+            break
+        if not eng.snapshot().prefix.undo[U_OWNER]:  # a forecaster keeps its replay on it
+            p = min(300, (eng.config.usable_blocks - 1) * bs)
+            forecast(eng.snapshot(), p, prompt_hashes=probes[-1][1][:p // bs])
+        leased += bool(eng.snapshot().prefix.undo[U_OWNER])
+        got, ref = eng.step(), twin.step()
+        assert (got.end, got.scheduled, got.first_token, got.finished, got.preempted,
+                got.prefix_hits) == (ref.end, ref.scheduled, ref.first_token, ref.finished,
+                                     ref.preempted, ref.prefix_hits)
+        eng.check_invariants()
+        assert eng.cached_blocks == twin.cached_blocks
+    assert leased
+
+
+def test_block_ids_say_which_blocks_are_shared() -> None:
+    """Two running requests with the same keys: with one set of ids they share their blocks,
+    with two they hold duplicates (vLLM keeps both); the free count differs by the blocks."""
+    import copy
+
+    from duetime.engine import Snapshot
+
+    d = copy.deepcopy(EXAMPLE)
+    d["running"].append({"id": "c", "prompt_tokens": 40, "computed_tokens": 40,
+                         "output_tokens": 1, "predicted_output_tokens": 50,
+                         "block_hashes": ["s0", "s1"]})
+    d["prefix_cache"]["free_empty"] = 0
+    shared = copy.deepcopy(d)
+    shared["running"][0]["block_ids"] = [5, 6, 7]
+    shared["running"][1]["block_ids"] = [5, 6, 11]  # (the last, partly filled: its own)
+    own = copy.deepcopy(d)
+    own["running"][0]["block_ids"] = [5, 6, 7]
+    own["running"][1]["block_ids"] = [9, 10, 11]
+    usable = d["config"]["num_gpu_blocks"] - 1
+    assert Snapshot.from_dict(shared).prefix.free == usable - 4
+    assert Snapshot.from_dict(own).prefix.free == usable - 6
+    assert Snapshot.from_dict(d).prefix.free == usable - 4  # (without ids: read as shared)
+
+
+def test_shared_blocks_count_once_in_a_forecast() -> None:
+    """Running requests that share blocks may hold more blocks between them than the instance
+    has; a forecast counts each block once (it was refused: "hold more KV blocks than the
+    instance has")."""
+    import copy
+
+    from duetime.engine import Snapshot
+
+    d = copy.deepcopy(EXAMPLE)
+    d["config"]["num_gpu_blocks"] = 6  # 5 usable: a and c hold 3 each, 2 of them shared
+    d["running"].append({"id": "c", "prompt_tokens": 40, "computed_tokens": 40,
+                         "output_tokens": 1, "predicted_output_tokens": 2,
+                         "block_hashes": ["s0", "s1"]})
+    d["waiting"] = []
+    d["prefix_cache"] = {"cached_free": [], "free_empty": 1}
+    snap = Snapshot.from_dict(d)
+    assert snap.prefix.free == 1
+    got = forecast(snap, 16)
+    assert 0 < got.estimate_s < float("inf")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_forecast_writes_no_block_list_of_the_engine(seed: int) -> None:
+    """A forecast replays on the engine's block arena (prefix_state): a running request that
+    held blocks at the snapshot, preempted in the replay and admitted again, writes only in
+    its own slice past the engine's, so the engine's block lists stay as they were (tight KV
+    makes the replays preempt)."""
+    eng, systems, history = _engine(seed, blocks=120)
+    arena = eng._rb[:eng._rb_used].copy()
+    rng = random.Random(seed)
+    snap = eng.snapshot()
+    for p, hashes in _probes(rng, eng.config.block_size, systems, history):
+        try:
+            forecast(snap, p, prompt_hashes=hashes)
+        except ForecastError:
+            continue
+    assert (eng._rb[:eng._rb_used] == arena).all()
+    eng.check_invariants()

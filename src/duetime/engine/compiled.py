@@ -38,8 +38,9 @@ from duetime.engine.pool_kernel import (
     new_undo,
     pool_allocate,
     queue_of,
+    reclaim,
 )
-from duetime.engine.prefix_state import PrefixState
+from duetime.engine.prefix_state import PrefixState, with_room
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
 
@@ -430,6 +431,7 @@ class Engine:
         outputs before and after, so that the kernel pays nothing when nobody asks)."""
         if self.idle:
             return None
+        self._reclaim()
         start = float(self._clock[0])
         if tokens:
             rows = np.concatenate((self._run[:self._st[kn.NRUN]], self._waiting_rows()))
@@ -463,6 +465,7 @@ class Engine:
         """Step while the clock is before ``t`` (the last step may end after it); an idle
         engine's clock jumps to ``t``. With ``stop_on_finish`` it returns early, after the first
         step in which requests finished, and returns their ids (else ``[]``)."""
+        self._reclaim()
         code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
                                     self._clock, self._cfg, self._w, self._work, self._out,
                                     self._pool, self._kmap, self._rb, self._rk, None, t,
@@ -490,6 +493,7 @@ class Engine:
         run[i:nrun - 1] = run[i + 1:nrun].copy()
         self._st[kn.NRUN] = nrun - 1
         if self.caching:
+            self._reclaim()
             self._st[kn.FREE] += kn.release_blocks(self._req, r, self._pool, self._rb, None)
         else:
             self._st[kn.FREE] += kv_release(self._req, r)
@@ -554,6 +558,7 @@ class Engine:
         if req[r, kn.STOP] <= output_tokens:
             req[r, kn.STOP] = output_tokens + 1
         if self.caching:  # its new blocks come from the pool; its full ones are registered
+            self._reclaim()
             if int(req[r, HELD]) + need > int(req[r, kn.BCAP]):
                 self._place(r, None)
             pool_allocate(self._pool, self._kmap, self._rb, int(req[r, kn.BOFF] + req[r, HELD]),
@@ -614,6 +619,7 @@ class Engine:
         What a router with a precise view of the cache (vLLM's KV events) knows."""
         if not self.caching:
             return 0
+        self._reclaim()
         return int(key_match(self._kmap, np.asarray(hashes, dtype=np.int64)))
 
     @property
@@ -629,7 +635,15 @@ class Engine:
     @property
     def cached_blocks(self) -> int:
         """Prefix caching: blocks registered in the cache (held or free; 0 without caching)."""
-        return int(self._pool[:, 1].sum()) if self.caching else 0
+        if not self.caching:
+            return 0
+        self._reclaim()
+        return int(self._pool[:, 1].sum())
+
+    def _reclaim(self) -> None:
+        """Prefix caching: put back what a forecaster kept of its replay on the engine's cache
+        (:func:`duetime.engine.pool_kernel.lease`) before the engine reads or changes it."""
+        reclaim(self._pool, self._kmap, self._undo)
 
     # -- the router's view ------------------------------------------------------------------------
 
@@ -666,7 +680,14 @@ class Engine:
         revision = self.revision
         return PrefixState(self._pool, self._kmap, self._rb, self._rk, cols,
                            int(self._st[kn.FREE]), self._uid, self._undo,
-                           lambda: self.revision == revision)
+                           lambda: self.revision == revision, self._forecast_arenas)
+
+    def _forecast_arenas(self, blocks: int, keys: int) -> tuple[np.ndarray, int, np.ndarray, int]:
+        """The arenas with room for a forecast's new slices past the engine's
+        (:attr:`PrefixState.arena`)."""
+        self._rb = with_room(self._rb, self._rb_used, blocks)
+        self._rk = with_room(self._rk, self._rk_used, keys)
+        return self._rb, self._rb_used, self._rk, self._rk_used
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the block accounting or the queues are inconsistent
@@ -674,6 +695,7 @@ class Engine:
         nrun = int(self._st[kn.NRUN])
         rows = self._run[:nrun]
         if self.caching:  # blocks held (shared ones once) and the free queue are all of them
+            self._reclaim()
             req, rb = self._req, self._rb
             held_ids = {int(b) for r in rows.tolist()
                         for b in rb[req[r, kn.BOFF]:req[r, kn.BOFF] + req[r, HELD]]}

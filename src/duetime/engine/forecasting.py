@@ -22,6 +22,7 @@ tested against the reference loop.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +36,17 @@ from duetime.engine._jit import njit
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import block_shift, blocks_for, stuck_reason
-from duetime.engine.pool_kernel import key_events, key_get, undo_all
+from duetime.engine.pool_kernel import (
+    U_EV,
+    U_EVCAP,
+    U_NEV,
+    holds,
+    key_get,
+    key_put,
+    lease,
+    new_key_map,
+    undo_all,
+)
 from duetime.engine.prefix_json import block_keys
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
@@ -115,7 +126,8 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     req, stamps, running, wq, st, clock = kn.prepare(
         run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
         wait.predicted, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0)
-    if st[kn.FREE] < 0:
+    caching = snapshot.prefix is not None and cfg.enable_prefix_caching
+    if st[kn.FREE] < 0 and not caching:  # (with caching, shared blocks count once: below)
         raise ForecastError(f"snapshot: the running requests hold "
                             f"{cfg.usable_blocks - int(st[kn.FREE])} KV blocks but the instance "
                             f"has {cfg.usable_blocks} (num_gpu_blocks = {cfg.num_gpu_blocks}, "
@@ -124,7 +136,7 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
         st[kn.WC] += 1
     pool = kn.NO_POOL
-    if snapshot.prefix is not None and cfg.enable_prefix_caching:
+    if caching:
         try:
             pool = snapshot.prefix.replay_arrays(req, st, cfg.block_size, cfg.max_model_len,
                                                  probe_hashes)
@@ -257,32 +269,57 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
                     int(st[kn.K]) - late)
 
 
-def _sorted_events(ev: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """Key events (stamp, key, sign) sorted by key, then time: per key a run to search."""
-    if ev is None:
-        return None
-    order = np.lexsort((ev[:, 0], ev[:, 1]))
-    ev = ev[order]
-    return (np.ascontiguousarray(ev[:, 1]), np.ascontiguousarray(ev[:, 0]),
-            np.ascontiguousarray(ev[:, 2]))
+@njit(cache=True, nogil=True)
+def events_by_key(undo):  # pragma: no cover - jit
+    """The key events of the replay on the log's pool so far (see
+    :mod:`duetime.engine.pool_kernel`), sorted by key and in time order per key: (keys,
+    stamps, signs, index), ``index`` a key table (:func:`~duetime.engine.pool_kernel.key_get`)
+    from each key to 1 + where its events start; or empty arrays and False if the events
+    overflowed the log."""
+    n = undo[U_NEV]
+    if n > undo[U_EVCAP]:
+        e = np.empty(0, dtype=np.int64)
+        return e, e, e, new_key_map(1), False
+    ev = undo[undo[U_EV]:undo[U_EV] + 3 * n].reshape(n, 3)
+    order = np.argsort(ev[:, 1], kind="mergesort")  # stable: time order per key stays
+    keys = np.empty(n, dtype=np.int64)
+    stamps = np.empty(n, dtype=np.int64)
+    signs = np.empty(n, dtype=np.int64)
+    index = new_key_map(n)
+    for i in range(n):
+        j = order[i]
+        keys[i] = ev[j, 1]
+        stamps[i] = ev[j, 0]
+        signs[i] = ev[j, 2]
+        if i == 0 or keys[i] != keys[i - 1]:
+            key_put(index, keys[i], i + 1)
+    return keys, stamps, signs, index, True
 
 
 @njit(cache=True, nogil=True)
-def hits_at(kmap, keys, ev_key, ev_stamp, ev_sign, stamp):  # pragma: no cover - jit
-    """How many leading ``keys`` are cached at ``stamp``: cached in ``kmap`` (the snapshot's)
-    unless the last event of the key up to ``stamp`` says otherwise."""
+def hits_at(kmap, keys, ev_key, ev_stamp, ev_sign, ev_index, stamp):  # pragma: no cover - jit
+    """How many leading ``keys`` are cached at ``stamp``. A key with events in the replay is
+    cached as its last event up to ``stamp`` says (before its first one: as it was at the
+    snapshot, the opposite of that event); one without is cached at every stamp as the table
+    has it (``kmap``: the snapshot's, or the replay's on it, kept by a forecaster's lease:
+    both agree on keys the replay did not change). ``ev_*``: see :func:`events_by_key`."""
+    n = ev_key.shape[0]
     for i in range(keys.shape[0]):
         k = keys[i]
-        present = key_get(kmap, k) >= 0
-        lo = np.searchsorted(ev_key, k)
-        j = np.searchsorted(ev_key, k, side="right") - 1
-        while j >= lo and ev_stamp[j] > stamp:
-            j -= 1
-        if j >= lo:
-            present = ev_sign[j] > 0
+        lo = key_get(ev_index, k) - 1 if n else -2
+        if lo < 0:
+            present = key_get(kmap, k) >= 0
+        else:
+            j = lo
+            while j + 1 < n and ev_key[j + 1] == k and ev_stamp[j + 1] <= stamp:
+                j += 1
+            present = ev_sign[j] > 0 if ev_stamp[j] <= stamp else ev_sign[lo] < 0
         if not present:
             return i
     return keys.shape[0]
+
+
+_TOKENS = itertools.count(1)  # the forecasters' lease tokens (pool_kernel.lease)
 
 
 class _EventsLost(Exception):
@@ -304,12 +341,15 @@ class Forecaster:
         self._full = cfg.scheduler_reserve_full_isl
         self._bs = cfg.block_size
         self._model = snapshot.model
-        # with prefix caching the base borrows the engine's cache: it is replayed from the
-        # snapshot each time it must go further, then the cache is put back; its key events
-        # tell when a probe's blocks were cached (see _hits)
+        # with prefix caching the base borrows the engine's cache and keeps its changes between
+        # calls (a lease on the pool: see pool_kernel); if another replay or the engine took
+        # the cache back meanwhile, it is replayed from the snapshot again. Its key events tell
+        # when a probe's blocks were cached (see _hits)
         self._caching = cfg.enable_prefix_caching
         self._state = None if self._caching else _state(snapshot, sigma)
-        self._events: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._token = next(_TOKENS)
+        self._gen = -1  # the log's generation that holds the lease
+        self._events: tuple[np.ndarray, ...] | None = None  # see events_by_key
         self._room = np.zeros(3, dtype=np.int64)  # see kernel.run_base
         self._rec = np.empty((64, 3), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
@@ -327,12 +367,11 @@ class Forecaster:
             return False
         n0 = self._n
         target = int(self._room[0]) + max(more, 1)
+        if self._caching:  # (each extension sorts the key events again: go twice as far)
+            target = max(target, 2 * int(self._room[0]))
         state = self._state
-        if self._caching:  # from the snapshot again, on the borrowed cache (see __init__)
-            state = _state(self.snapshot, self.sigma)
-            # (each time costs it all again: go far enough for this probe's admission, and for
-            # most later probes: a few more steps now spare a whole replay later)
-            target = max(target + self._cap, 2 * int(self._room[0]), 4 * self._budget)
+        if self._caching and (state is None or not holds(state[12], self._token, self._gen)):
+            state = self._state = _state(self.snapshot, self.sigma)  # from the snapshot again
             self._n = 0
             self._room[:] = 0
         try:
@@ -346,10 +385,15 @@ class Forecaster:
                 self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
                 self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
                 self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
-        finally:
+        except BaseException:
             if self._caching:
-                self._events = _sorted_events(key_events(state[12]))
                 _give_back(state)
+                self._state = None
+            raise
+        if self._caching:
+            keys, stamps, signs, index, ok = events_by_key(state[12])
+            self._events = (keys, stamps, signs, index) if ok else None
+            self._gen = lease(state[12], self._token)
         if code != kn.REACHED:
             # Idle, or the base cannot go on (KV livelock, step cap): a probe that needs more
             # than what was recorded runs alone after idle, or is replayed exactly.
@@ -465,7 +509,7 @@ class Forecaster:
         ev = self._events
         if ev is None:
             raise _EventsLost
-        return hits_at(self.snapshot.prefix.kmap, keys, ev[0], ev[1], ev[2], stamp)
+        return hits_at(self.snapshot.prefix.kmap, keys, ev[0], ev[1], ev[2], ev[3], stamp)
 
     def _marginal(self, p: int, c0: int, c1: int, sq: int, nsteps: int) -> float:
         """The probe's own batch-time terms: its prompt tokens ``c0`` to ``c1`` computed in

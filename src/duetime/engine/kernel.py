@@ -30,7 +30,11 @@ Layout (all int64 unless noted; request ``r`` is an index):
   and the arenas ``rb`` (each request's blocks, from column ``BOFF``) and ``rk`` (its known
   block keys, ``NKEY`` of them from column ``KOFF``); ``NCACHED``: its blocks registered in
   the cache; ``UID``: what its own keys are made from; ``BCAP``: the length of its slice of
-  ``rb`` (the blocks it can ever hold). Without caching they are ``None`` (:data:`NO_POOL`)
+  ``rb`` (the blocks it can ever hold). In a forecast, the first ``H0`` blocks of a request
+  that held blocks at the snapshot stay where the engine keeps them, ``rb[B0OFF:]`` (the
+  forecast's arena is the engine's, its own slices in the free space past the engine's:
+  nothing is copied; see :mod:`duetime.engine.prefix_state`); ``H0`` is 0 otherwise, and
+  after the request gives its blocks back. Without caching they are ``None`` (:data:`NO_POOL`)
   and the free count is all the ledger keeps: numba then compiles a version of every
   function without the caching branches (it prunes ``if kmap is not None`` for a ``None``
   argument), as fast as before caching existed (a runtime flag cost the forecasts ~30%);
@@ -58,8 +62,8 @@ from duetime.engine.remaining import stop_length
 
 # req columns (HELD, 4, is the KV ledger's; BOFF .. UID: prefix caching's, see step())
 PROMPT, OUTPUT, STOP, COMP, DONE, PEND, INF, NINF, STALE = 0, 1, 2, 3, 5, 6, 7, 8, 9
-BOFF, KOFF, NKEY, NCACHED, UID, BCAP = 10, 11, 12, 13, 14, 15
-REQ_COLUMNS = 16
+BOFF, KOFF, NKEY, NCACHED, UID, BCAP, H0, B0OFF = 10, 11, 12, 13, 14, 15, 16, 17
+REQ_COLUMNS = 18
 assert HELD == 4
 # st fields (LONE, QUIET: the livelock watch; NINFL: rows in flight; see step())
 # (PQ, PH: prefix-cache queries and hits so far, in tokens)
@@ -142,8 +146,9 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
 def release_blocks(req, r, pool, rb, undo):  # pragma: no cover - jit
     """Prefix caching: row ``r`` gives back all its blocks; returns how many join the free
     queue."""
-    back = pool_release(pool, rb, req[r, BOFF], req[r, HELD], undo)
+    back = pool_release(pool, rb, req[r, BOFF], req[r, HELD], undo, req[r, B0OFF], req[r, H0])
     req[r, HELD] = 0
+    req[r, H0] = 0
     req[r, NCACHED] = 0
     return back
 
@@ -156,8 +161,10 @@ def register_blocks(req, r, pool, kmap, rb, rk, tokens, bs, undo):  # pragma: no
     nc = req[r, NCACHED]
     if full > nc:
         boff, koff, nkey, uid = req[r, BOFF], req[r, KOFF], req[r, NKEY], req[r, UID]
+        h0, b0off = req[r, H0], req[r, B0OFF]
         for i in range(nc, full):
-            pool_cache(pool, kmap, rb[boff + i], req_key(rk, koff, nkey, uid, i), undo)
+            b = rb[boff + i] if i >= h0 else rb[b0off + i]
+            pool_cache(pool, kmap, b, req_key(rk, koff, nkey, uid, i), undo)
         req[r, NCACHED] = full
 
 

@@ -3,12 +3,14 @@
 
 Layout:
 
-* ``pool`` (int64, (num_gpu_blocks + 2, 6)): per block its holders (``P_REF``), whether it is
+* ``pool`` (int64, (num_gpu_blocks + 2, 7)): per block its holders (``P_REF``), whether it is
   registered in the cache (``P_HAS``) and under which key (``P_KEY``), its links in the free
   queue (``P_NXT``, ``P_PRV``; rows ``num_gpu_blocks`` and ``num_gpu_blocks + 1`` are the
-  queue's head and tail sentinels) and the next block registered under the same key
-  (``P_DUP``, -1 if none: vLLM keeps duplicates, and a lookup takes the first registered);
-* ``kmap`` (int64, (capacity, 2)): key → the first block registered under it, an
+  queue's head and tail sentinels), the next block registered under the same key
+  (``P_DUP``, -1 if none: vLLM keeps duplicates, and a lookup takes the first registered)
+  and the undo log's mark (``P_GEN``, below);
+* ``kmap`` (int64, (capacity, 3)): key → the first block registered under it (and the undo
+  log's mark, ``T_GEN``), an
   open-addressing hash table (linear probing, deletion by backward shift: no tombstones;
   block 0 marks an empty slot, the null block never holds a key). Its capacity is fixed at
   twice the blocks or more (a key exists only while a block holds it), so it never grows. A
@@ -23,9 +25,16 @@ Keys are int64 (vLLM's block hashes, or the workloads' 64-bit chained hashes).
 A forecast replays on the engine's own pool and key table, then puts them back: every function
 that writes takes ``undo`` — ``None`` for the engine's own steps (numba then compiles the
 function without the bookkeeping), or the engine's undo log (:func:`new_undo`): a pool row or
-table slot is saved before its first change in the replay (marked with the replay's
-generation, so nothing is cleared between replays), and :func:`undo_all` restores them. Time
+table slot is saved before its first change in the replay (marked, in its own row, with the
+replay's generation, so nothing is cleared between replays), and :func:`undo_all` restores
+them. Time
 and memory are bounded by what the replay touches, not by the size of the cache.
+
+A forecaster may *keep* its changes between calls, to extend its replay later without
+replaying from the snapshot again: it writes its token in the log's owner slot
+(:func:`lease`). Whoever needs the pool as the engine has it — the engine before it steps or
+reads its cache, another replay before it borrows — first calls :func:`reclaim`, which puts
+back whatever is held; the holder sees the generation moved on and starts afresh next time.
 """
 
 from __future__ import annotations
@@ -34,8 +43,10 @@ import numpy as np
 
 from duetime.engine._jit import njit
 
-P_REF, P_HAS, P_KEY, P_NXT, P_PRV, P_DUP = range(6)
-POOL_COLUMNS = 6
+P_REF, P_HAS, P_KEY, P_NXT, P_PRV, P_DUP, P_GEN = range(7)
+POOL_COLUMNS = 7
+SAVED = 6  # the columns a replay saves and puts back (not P_GEN: see _save)
+T_GEN = 2  # the key table's column of the same mark
 OWN_KEY_BLOCKS = 1 << 20  # own keys: -(uid * OWN_KEY_BLOCKS + index) - 1
 _MIX = 0x2545F4914F6CDD1D  # an odd 63-bit multiplier (int64 in numba and in Python alike)
 _LOW48 = (1 << 48) - 1
@@ -51,12 +62,13 @@ def new_pool(num_blocks: int) -> np.ndarray:
     return pool
 
 
-def new_key_map(num_blocks: int) -> np.ndarray:
-    """An empty key table for a pool of ``num_blocks`` blocks."""
+@njit(cache=True, nogil=True)
+def new_key_map(num_blocks):  # pragma: no cover - jit
+    """An empty key table for a pool of ``num_blocks`` blocks (or keys)."""
     cap = 16
     while cap < 2 * num_blocks:
         cap *= 2
-    return np.zeros((cap, 2), dtype=np.int64)
+    return np.zeros((cap, 3), dtype=np.int64)
 
 
 def key_items(kmap: np.ndarray) -> dict[int, int]:
@@ -66,12 +78,14 @@ def key_items(kmap: np.ndarray) -> dict[int, int]:
 
 
 # the undo log: one flat int64 array (one argument is cheaper to pass through every call than
-# a tuple of five): a header, then per pool row and per table slot the generation that saved
-# it, then the saved rows (block, its 6 columns) and slots (slot, key, block), then the key
+# a tuple of five): a header, then the saved rows (block, its 6 data columns) and slots
+# (slot, key, block), then the key
 # events: (stamp, key, +1 added / -1 removed), stamped by the kernel with 2 x step (while it
 # schedules) or 2 x step + 1 (after: outputs applied, blocks freed); a forecaster reads when a
 # probe's keys were cached from them (counted past the capacity: an overflow shows)
-U_GEN, U_NPOOL, U_NTAB, U_TMARK, U_SPOOL, U_STAB, U_STAMP, U_NEV, U_EV, U_EVCAP = range(10)
+# (U_OWNER: the token of the forecaster that keeps its changes, 0 if none; see lease)
+(U_GEN, U_NPOOL, U_NTAB, U_SPOOL, U_STAB, U_STAMP, U_NEV, U_EV, U_EVCAP,
+ U_OWNER) = range(10)
 U_HEAD = 10
 
 
@@ -79,25 +93,15 @@ def new_undo(pool: np.ndarray, kmap: np.ndarray) -> np.ndarray:
     """The undo log of a pool and its key table (kept with them, reused by every replay; see
     the module doc)."""
     n, t = pool.shape[0], kmap.shape[0]
-    tmark = U_HEAD + n
-    spool = tmark + t
-    stab = spool + n * (POOL_COLUMNS + 1)
+    spool = U_HEAD
+    stab = spool + n * (SAVED + 1)
     ev = stab + t * 3
     evcap = 4 * n
     u = np.empty(ev + 3 * evcap, dtype=np.int64)
     u.fill(0)  # touched now, at the engine's creation: not page by page in a forecast
-    u[U_GEN], u[U_TMARK], u[U_SPOOL], u[U_STAB] = 1, tmark, spool, stab
+    u[U_GEN], u[U_SPOOL], u[U_STAB] = 1, spool, stab
     u[U_EV], u[U_EVCAP] = ev, evcap
     return u
-
-
-def key_events(undo: np.ndarray) -> np.ndarray | None:
-    """The key events of the last replay, (n, 3): stamp, key, sign; None if they overflowed."""
-    n = int(undo[U_NEV])
-    if n > undo[U_EVCAP]:
-        return None
-    at = int(undo[U_EV])
-    return undo[at:at + 3 * n].reshape(n, 3).copy()
 
 
 @njit(cache=True, nogil=True)
@@ -134,13 +138,15 @@ def req_key(rk, koff, nkey, uid, i):  # pragma: no cover - jit
 
 @njit(cache=True, nogil=True)
 def _save(pool, b, undo):  # pragma: no cover - jit
-    """Block ``b``'s row is about to change: keep it if this is its first change."""
+    """Block ``b``'s row is about to change: keep it if this is its first change. (The mark
+    of the generation that saved it lives in the row itself, ``P_GEN``: a mark array of its
+    own cost a cache miss more per block on a cache of 50,000 blocks, ~40% of a replay.)"""
     if undo is not None:  # noqa: SIM102 (alone, numba prunes it for undo=None)
-        if undo[U_HEAD + b] != undo[U_GEN]:
-            undo[U_HEAD + b] = undo[U_GEN]
-            at = undo[U_SPOOL] + undo[U_NPOOL] * (POOL_COLUMNS + 1)
+        if pool[b, P_GEN] != undo[U_GEN]:
+            pool[b, P_GEN] = undo[U_GEN]
+            at = undo[U_SPOOL] + undo[U_NPOOL] * (SAVED + 1)
             undo[at] = b
-            for c in range(POOL_COLUMNS):
+            for c in range(SAVED):
                 undo[at + 1 + c] = pool[b, c]
             undo[U_NPOOL] += 1
 
@@ -148,10 +154,9 @@ def _save(pool, b, undo):  # pragma: no cover - jit
 @njit(cache=True, nogil=True)
 def _save_slot(kmap, i, undo):  # pragma: no cover - jit
     """Table slot ``i`` is about to change: keep it if this is its first change."""
-    if undo is not None:
-        m = undo[U_TMARK] + i
-        if undo[m] != undo[U_GEN]:
-            undo[m] = undo[U_GEN]
+    if undo is not None:  # noqa: SIM102 (alone, numba prunes it for undo=None)
+        if kmap[i, T_GEN] != undo[U_GEN]:
+            kmap[i, T_GEN] = undo[U_GEN]
             at = undo[U_STAB] + undo[U_NTAB] * 3
             undo[at] = i
             undo[at + 1] = kmap[i, 0]
@@ -164,9 +169,9 @@ def undo_all(pool, kmap, undo):  # pragma: no cover - jit
     """Put back every row and slot a replay changed; the next replay starts a new
     generation."""
     for j in range(undo[U_NPOOL]):
-        at = undo[U_SPOOL] + j * (POOL_COLUMNS + 1)
+        at = undo[U_SPOOL] + j * (SAVED + 1)
         b = undo[at]
-        for c in range(POOL_COLUMNS):
+        for c in range(SAVED):
             pool[b, c] = undo[at + 1 + c]
     for j in range(undo[U_NTAB]):
         at = undo[U_STAB] + j * 3
@@ -176,7 +181,26 @@ def undo_all(pool, kmap, undo):  # pragma: no cover - jit
     undo[U_NPOOL] = 0
     undo[U_NTAB] = 0
     undo[U_NEV] = 0
+    undo[U_OWNER] = 0
     undo[U_GEN] += 1
+
+
+def reclaim(pool: np.ndarray | None, kmap: np.ndarray | None, undo: np.ndarray | None) -> None:
+    """Put back the changes a forecaster kept (see the module doc); nothing if none."""
+    if undo is not None and (undo[U_OWNER] or undo[U_NPOOL] or undo[U_NTAB] or undo[U_NEV]):
+        undo_all(pool, kmap, undo)
+
+
+def lease(undo: np.ndarray, token: int) -> int:
+    """The changes in the log are kept by ``token``'s holder (until :func:`reclaim`); returns
+    the generation that holds them (the lease is the holder's while the log has it)."""
+    undo[U_OWNER] = token
+    return int(undo[U_GEN])
+
+
+def holds(undo: np.ndarray, token: int, generation: int) -> bool:
+    """Whether the pool still has the changes ``token``'s holder kept in ``generation``."""
+    return bool(undo[U_OWNER] == token and undo[U_GEN] == generation)
 
 
 @njit(cache=True, nogil=True)
@@ -222,6 +246,12 @@ def key_get(kmap, k):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True)
+def key_put(kmap, k, v):  # pragma: no cover - jit
+    """``k`` → ``v`` (> 0) in a table of the same form that is not the pool's (no undo)."""
+    _key_put(kmap, k, v, None)
+
+
+@njit(cache=True, nogil=True)
 def _key_put(kmap, k, b, undo):  # pragma: no cover - jit
     """``k`` → ``b`` (a new key, or a new first block for it)."""
     mask = kmap.shape[0] - 1
@@ -242,6 +272,8 @@ def _key_del(kmap, k, undo):  # pragma: no cover - jit
     mask = kmap.shape[0] - 1
     i = _home(k, mask)
     while kmap[i, 0] != k or kmap[i, 1] == 0:
+        if kmap[i, 1] == 0:  # (a bug: a corrupt pool would otherwise loop for ever)
+            raise AssertionError("pool_kernel: removing a key that is not in the table")
         i = (i + 1) & mask
     _save_slot(kmap, i, undo)
     if undo is not None:
@@ -311,6 +343,8 @@ def _evict(pool, kmap, b, undo):  # pragma: no cover - jit
         p = first
         while pool[p, P_DUP] != b:
             p = pool[p, P_DUP]
+            if p < 0:  # (a bug, as above)
+                raise AssertionError("pool_kernel: a block missing from its key's chain")
         _save(pool, p, undo)
         pool[p, P_DUP] = pool[b, P_DUP]
     pool[b, P_DUP] = -1
@@ -349,15 +383,17 @@ def pool_touch(pool, rb, at, count, undo):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True)
-def pool_release(pool, rb, at, count, undo):  # pragma: no cover - jit
+def pool_release(pool, rb, at, count, undo, at0=0, h0=0):  # pragma: no cover - jit
     """A request gives back its blocks ``rb[at:at + count]`` (freed last-first): one nobody
     holds any more goes to the front of the queue without a key, to the tail with one.
-    Returns how many joined the queue (add to the free count)."""
+    Returns how many joined the queue (add to the free count). (A forecast's request that held
+    blocks at the snapshot keeps its first ``h0`` of them where the engine has them,
+    ``rb[at0:at0 + h0]``; see :mod:`duetime.engine.prefix_state`.)"""
     tail = pool.shape[0] - 1
     p = pool.shape[0] - 2  # unhashed ones go to the front, in the order freed
     back = 0
     for j in range(count - 1, -1, -1):
-        b = rb[at + j]
+        b = rb[at + j] if j >= h0 else rb[at0 + j]
         _save(pool, b, undo)
         pool[b, P_REF] -= 1
         if pool[b, P_REF] == 0:
@@ -379,8 +415,12 @@ def pool_cache(pool, kmap, b, key, undo):  # pragma: no cover - jit
     pool[b, P_DUP] = -1
     p = key_get(kmap, key)
     if p >= 0:
+        n = 0
         while pool[p, P_DUP] >= 0:
             p = pool[p, P_DUP]
+            n += 1
+            if n > pool.shape[0]:  # (a bug, as above)
+                raise AssertionError("pool_kernel: a cycle in a key's chain")
         _save(pool, p, undo)
         pool[p, P_DUP] = b
     else:

@@ -14,9 +14,12 @@ What a forecast needs to replay vLLM's cache, and what an exporter can read from
 
 Keys are opaque: a JSON integer (within int64) is used as it is, a string is hashed to one
 (blake2b, 8 bytes); a probe's ``prompt_hashes`` are read the same way, so give them in the
-form the requests use. Running requests that list the same key at the same position share
-that block (the way a prefix hit shares it); duplicates of one key (vLLM keeps them when two
-requests computed the same block at once) are read as one block.
+form the requests use. Which blocks running requests share: with ``block_ids`` (per running
+request, the ids of the blocks it holds, in order, as vLLM's ``KVCacheBlock.block_id``),
+requests that list one id share that block; without them, running requests that list the
+same key at the same position are read as sharing it (the way a prefix hit shares it), which
+is wrong where vLLM holds duplicates (two requests computed the same block at once): then the
+free count is too high by the duplicates, and a forecast that frees them differs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from duetime.engine.prefix_state import (
     C_NCACHED,
     C_NKEY,
     C_UID,
+    OwnArenas,
     PrefixState,
 )
 
@@ -74,37 +78,50 @@ def block_keys(values: Sequence[Any] | np.ndarray | None) -> np.ndarray | None:
 
 def build_state(config: SchedulerConfig, prompt: np.ndarray, output: np.ndarray,
                 computed: np.ndarray, n_running: int, hashes: list[np.ndarray],
-                cached_free: np.ndarray, free_empty: int) -> PrefixState:
+                cached_free: np.ndarray, free_empty: int,
+                block_ids: list[list[int]] | None = None) -> PrefixState:
     """A cache of its own for a snapshot read from JSON (see the module doc). Rows: running,
-    then waiting requests; ``hashes`` their keys. Raises ValueError naming the field."""
+    then waiting requests; ``hashes`` their keys; ``block_ids`` the running requests' block
+    ids, if known. Raises ValueError naming the field."""
     bs, usable = config.block_size, config.usable_blocks
     n = len(prompt)
     pool = pk.new_pool(config.num_gpu_blocks)
     kmap = pk.new_key_map(config.num_gpu_blocks)
     rows = np.zeros((n, 6), dtype=np.int64)
     rb: list[int] = []
-    shared: dict[tuple[int, int], int] = {}  # (position, key) -> block held by a running one
+    # a block held by a running request: by its id, else by (position, key)
+    shared: dict[Any, int] = {}
     next_block = 1
     for i in range(n):
         keys = hashes[i]
         held = blocks_for(int(computed[i]), bs) if i < n_running else 0
         registered = min(min(int(computed[i]), int(prompt[i] + output[i])) // bs, len(keys),
                          held)
+        ids = block_ids[i] if block_ids is not None and i < n_running else None
+        if ids is not None and len(ids) != held:
+            raise ValueError(f"running[{i}].block_ids: {len(ids)} ids, but the request holds "
+                             f"{held} blocks (ceil(computed_tokens / block_size))")
         rows[i, C_BOFF] = len(rb)
         rows[i, C_HELD] = held
         rows[i, C_NCACHED] = registered
         rows[i, C_UID] = i + 1
         for j in range(held):
-            b = shared.get((j, int(keys[j]))) if j < registered else None
+            name = ids[j] if ids is not None else (j, int(keys[j])) if j < registered else None
+            b = shared.get(name) if name is not None else None
             if b is None:
                 b = next_block
                 next_block += 1
                 if next_block - 1 > usable:
                     raise ValueError(f"running: the running requests hold more than the "
                                      f"instance's {usable} usable KV blocks")
-                if j < registered:
-                    shared[(j, int(keys[j]))] = b
+                if name is not None:
+                    shared[name] = b
+            if j < registered:
+                if not pool[b, pk.P_HAS]:
                     pk.pool_cache(pool, kmap, b, keys[j], None)
+                elif pool[b, pk.P_KEY] != keys[j]:
+                    raise ValueError(f"running[{i}].block_ids: block {ids[j]} is listed "
+                                     "under two different hashes")
             pool[b, pk.P_REF] += 1
             rb.append(b)
     n_held = next_block - 1
@@ -126,13 +143,15 @@ def build_state(config: SchedulerConfig, prompt: np.ndarray, output: np.ndarray,
     rk = np.concatenate(hashes) if n else np.zeros(0, dtype=np.int64)
     rows[:, C_NKEY] = [len(h) for h in hashes]
     rows[:, C_KOFF] = np.cumsum(rows[:, C_NKEY]) - rows[:, C_NKEY]
-    return PrefixState(pool, kmap, np.array(rb, dtype=np.int64), rk.astype(np.int64), rows,
-                       n_free, n + 1, pk.new_undo(pool, kmap), lambda: True)
+    rb_arr, rk_arr = np.array(rb, dtype=np.int64), rk.astype(np.int64)
+    return PrefixState(pool, kmap, rb_arr, rk_arr, rows, n_free, n + 1,
+                       pk.new_undo(pool, kmap), lambda: True, OwnArenas(rb_arr, rk_arr))
 
 
-def export_state(state: PrefixState, n_running: int) -> tuple[list[list[int]], dict[str, Any]]:
-    """Per resident request its block keys, and the ``prefix_cache`` object, of a snapshot's
-    cache (see the module doc)."""
+def export_state(state: PrefixState, n_running: int
+                 ) -> tuple[list[list[int]], list[list[int]], dict[str, Any]]:
+    """Per resident request its block keys, per running request its block ids, and the
+    ``prefix_cache`` object, of a snapshot's cache (see the module doc)."""
     if not state.is_current():
         raise ValueError("snapshot: the engine has changed since this snapshot was taken")
     rows, rk = state.rows, state.rk
@@ -141,6 +160,9 @@ def export_state(state: PrefixState, n_running: int) -> tuple[list[list[int]], d
         known = rk[int(r[C_KOFF]):int(r[C_KOFF] + r[C_NKEY])].tolist()
         known += [pk.own_key(int(r[C_UID]), i) for i in range(len(known), int(r[C_NCACHED]))]
         keys.append(known)
+    ids = [state.rb[int(r[C_BOFF]):int(r[C_BOFF] + r[C_HELD])].tolist()
+           for r in rows[:n_running]]
     out = np.empty(state.free, dtype=np.int64)
+    pk.reclaim(state.pool, state.kmap, state.undo)  # (what a forecaster kept of its replay)
     n, empty = pk.free_queue_keys(state.pool, out)
-    return keys, {"cached_free": out[:n].tolist(), "free_empty": int(empty)}
+    return keys, ids, {"cached_free": out[:n].tolist(), "free_empty": int(empty)}

@@ -120,6 +120,7 @@ class _RequestIn(TypedDict):
     predicted_output_tokens: Annotated[int, Field(ge=1, strict=True)]
     arrival: NotRequired[float]
     block_hashes: NotRequired[list[str | int]]  # version 2, with prefix caching
+    block_ids: NotRequired[list[Annotated[int, Field(strict=True)]]]  # (running requests)
 
 
 class _PrefixCacheIn(BaseModel):
@@ -161,15 +162,16 @@ def _prefix_state_in(s: _SnapshotIn, config: SchedulerConfig, running: RequestTa
     field."""
     if s.version == 1 and not config.enable_prefix_caching and s.prefix_cache is None:
         return None  # (the common case, polled many times a second: no scan of the requests)
-    listed = s.prefix_cache is not None or any("block_hashes" in r
+    listed = s.prefix_cache is not None or any("block_hashes" in r or "block_ids" in r
                                                for r in (*s.running, *s.waiting))
     if s.version == 1 and (config.enable_prefix_caching or listed):
         raise SnapshotError("snapshot.config.enable_prefix_caching: prefix caching "
-                            "(block_hashes, prefix_cache) needs a snapshot of version 2")
+                            "(block_hashes, block_ids, prefix_cache) needs a snapshot of "
+                            "version 2")
     if not config.enable_prefix_caching:
         if listed:
-            raise SnapshotError("snapshot.config.enable_prefix_caching: block_hashes and "
-                                "prefix_cache need prefix caching on")
+            raise SnapshotError("snapshot.config.enable_prefix_caching: block_hashes, "
+                                "block_ids and prefix_cache need prefix caching on")
         return None
     hashes = []
     for where, items in (("running", s.running), ("waiting", s.waiting)):
@@ -178,6 +180,16 @@ def _prefix_state_in(s: _SnapshotIn, config: SchedulerConfig, running: RequestTa
                 hashes.append(block_keys(r.get("block_hashes", [])))
             except ValueError as e:
                 raise SnapshotError(f"snapshot.{where}[{i}].block_hashes: {e}") from None
+    for i, r in enumerate(s.waiting):
+        if "block_ids" in r:
+            raise SnapshotError(f"snapshot.waiting[{i}].block_ids: a waiting request holds no "
+                                "blocks")
+    with_ids = ["block_ids" in r for r in s.running]
+    if any(with_ids) and not all(with_ids):
+        i = with_ids.index(False)
+        raise SnapshotError(f"snapshot.running[{i}].block_ids: missing (give them for every "
+                            "running request, or for none)")
+    ids = [r["block_ids"] for r in s.running] if s.running and all(with_ids) else None
     cache = s.prefix_cache or _PrefixCacheIn()
     try:
         cached = block_keys(cache.cached_free)
@@ -187,7 +199,7 @@ def _prefix_state_in(s: _SnapshotIn, config: SchedulerConfig, running: RequestTa
             np.concatenate((running.output, waiting.output)),
             np.concatenate((running.computed, waiting.computed)))
     try:
-        return build_state(config, *both, len(running), hashes, cached, cache.free_empty)
+        return build_state(config, *both, len(running), hashes, cached, cache.free_empty, ids)
     except ValueError as e:
         raise SnapshotError(f"snapshot.{e}") from None
 
@@ -376,12 +388,14 @@ class Snapshot:
             out["prefix_cache_omitted"] = True
         elif caching:
             try:
-                keys, cache = export_state(self.prefix, len(self.running_table))
+                keys, ids, cache = export_state(self.prefix, len(self.running_table))
             except ValueError as e:
                 raise SnapshotError(str(e)) from None
             out["version"] = 2
             for r, k in zip(out["running"] + out["waiting"], keys, strict=True):
                 r["block_hashes"] = k
+            for r, b in zip(out["running"], ids, strict=True):
+                r["block_ids"] = b
             out["prefix_cache"] = cache
         return out
 
