@@ -16,8 +16,9 @@ Medians over snapshots (and probes); ``p90`` of ``first`` shows the spread. The 
 first <= 100 us and further <= 10 us on 200 running / 20 waiting; the released SFS C++
 simulator takes ~1e-4 s per forecast.
 
-A second table times forecasts with prefix caching: snapshots of a live engine whose cache
-holds ``cached`` blocks (of earlier conversations, free to evict) beside 200 running / 20
+A second table times forecasts with prefix caching: snapshots of a live engine (one that has
+forecast before, a step ago, as an instance's engine in the simulator or the gateway has)
+whose cache holds ``cached`` blocks (of earlier conversations, free to evict) beside 200 running / 20
 waiting requests of tenants that share system prompts; every probe shares one too, with its
 block keys. Such a forecast borrows the engine's cache for its base replay (and puts it back);
 ``kernel`` is one replay with the probe without caching on the same requests, for scale.
@@ -30,9 +31,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -95,37 +98,61 @@ def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int
     return {"rows": rows, "steps": statistics.median(steps)}
 
 
-def caching_engine(model, budget: int, cached: int, seed: int,
-                   asynchronous: bool = False) -> tuple[Engine, list[list[int]]]:
+def caching_engine(model, budget: int, cached: int, seed: int, asynchronous: bool = False,
+                   seats: int = 200) -> tuple[Engine, list[list[int]], Callable[[], None]]:
     """A live engine with caching: ``cached`` blocks left by finished requests, then 200
-    running and 20 waiting requests of 8 tenants (system prompts of 1,000-4,000 tokens)."""
+    running and 20 waiting requests of 8 tenants (system prompts of 1,000-4,000 tokens).
+    With ``seats`` = 200 (max_num_seqs) the waiting ones wait for seats, so a probe waits for
+    20 requests to finish (tens of steps); with more, they have just arrived (as the
+    snapshots of the first table: a probe is admitted within a few steps). Also returns a
+    function that adds one more such request."""
     rng = random.Random(seed)
-    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=200, max_model_len=65536,
-                          block_size=16, num_gpu_blocks=cached + 40_000,
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=seats,
+                          max_model_len=65536, block_size=16, num_gpu_blocks=cached + 40_000,
                           async_scheduling=asynchronous, enable_prefix_caching=True)
     eng = Engine(cfg, model, retain_finished=False)
     for i in range(cached // 1000):  # old conversations: 16,000 tokens each, now free
         eng.add(f"old{i}", 16_000, 1, hashes=[rng.getrandbits(62) for _ in range(1000)])
     eng.drain()
     systems = [[rng.getrandbits(62) for _ in range(rng.randint(60, 250))] for _ in range(8)]
-    for i in range(220):
+
+    count = itertools.count()
+
+    def add() -> None:
         keys = rng.choice(systems)
         p = len(keys) * 16 + int(rng.lognormvariate(5.5, 0.8))
         out = int(rng.lognormvariate(5.0, 0.8)) + 1
         keys = keys + [rng.getrandbits(62) for _ in range((p + out) // 16 - len(keys))]
-        eng.add(f"r{i}", p, out, hashes=keys)
-    while eng.num_running < 200 or eng.num_waiting > 20:
+        eng.add(f"r{next(count)}", p, out, hashes=keys)
+
+    if seats <= 200:
+        for _ in range(220):
+            add()
+        while eng.num_running < 200 or eng.num_waiting > 20:
+            eng.step()
+        return eng, systems, add
+    while eng.num_running < 200 or eng.num_waiting:  # 200 running, all prefilled
+        while eng.num_running + eng.num_waiting < 200:
+            add()
         eng.step()
-    return eng, systems
+    for _ in range(20):  # just arrived
+        add()
+    return eng, systems, add
 
 
 def measure_caching(model, budget: int, n_snapshots: int, cached: int,
-                    asynchronous: bool = False) -> dict:
+                    asynchronous: bool = False, seats: int = 200) -> dict:
     rows: dict[str, list[float]] = {k: [] for k in ("first", "further", "kernel")}
     steps, held = [], []
     for seed in range(n_snapshots):
-        eng, systems = caching_engine(model, budget, cached, seed, asynchronous)
-        rng = random.Random(seed)
+        eng, systems, add = caching_engine(model, budget, cached, seed, asynchronous, seats)
+        rng = random.Random(~seed)  # (not the engine's stream: its keys would be cached)
+        # a live engine's snapshots are forecast step after step: the engine's first forecast
+        # (its arenas grow, its undo log's pages are touched) is not what a forecast costs
+        forecast(eng.snapshot(), 1000)
+        eng.step()
+        while eng.num_waiting < 20:
+            add()
         held.append(eng.cached_blocks)
         snap = eng.snapshot()
 
@@ -197,8 +224,10 @@ def main() -> None:
     print()
     print("with prefix caching: a live engine's snapshot (200 running, 20 waiting, 8 tenants' "
           "system prompts); probes share a system prompt; microseconds per call")
-    head = (f"{'model':>6} {'budget':>6} {'cached':>7} {'steps':>5} {'first':>7} {'p90':>7} "
-            f"{'further':>7} {'kernel w/o caching':>18}")
+    print("seats: max_num_seqs; 256: the waiting requests have just arrived (as in the table "
+          "above); 200: they wait for seats (the probe for 20 finishes)")
+    head = (f"{'model':>6} {'budget':>6} {'seats':>5} {'cached':>7} {'steps':>5} {'first':>7} "
+            f"{'p90':>7} {'further':>7} {'kernel w/o caching':>18}")
     print(head)
     print("-" * len(head))
     warm = Engine(SchedulerConfig(num_gpu_blocks=100, enable_prefix_caching=True), sfs6)
@@ -206,12 +235,16 @@ def main() -> None:
     warm.step()
     forecast(warm.snapshot(), 40, prompt_hashes=[1, 2])  # compile (or load) the caching kernel
     replay(warm.snapshot(), 40, prompt_hashes=[1, 2])
-    for model, budget in [(sfs6, 8192)] if args.quick else [(sfs6, 8192), (paper4, 8192),
-                                                             (sfs6, 32768)]:
-        got = measure_caching(model, budget, max(2, n // 4), 50_000, args.async_scheduling)
+    combos = [(sfs6, 8192, 256), (sfs6, 8192, 200)]
+    if not args.quick:
+        combos += [(paper4, 8192, 256), (sfs6, 32768, 256), (paper4, 8192, 200),
+                   (sfs6, 32768, 200)]
+    for model, budget, seats in combos:
+        got = measure_caching(model, budget, max(4, n // 4), 50_000, args.async_scheduling,
+                              seats)
         rows = got["rows"]
-        print(f"{model.name:>6} {budget:>6} {got['cached']:>7.0f} {got['steps']:>5.0f} "
-              f"{_us(rows['first']):>7.1f} {_p90(rows['first']):>7.1f} "
+        print(f"{model.name:>6} {budget:>6} {seats:>5} {got['cached']:>7.0f} "
+              f"{got['steps']:>5.0f} {_us(rows['first']):>7.1f} {_p90(rows['first']):>7.1f} "
               f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>18.1f}")
 
 
