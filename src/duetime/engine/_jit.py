@@ -7,13 +7,16 @@ of this package's sources. numba invalidates a cached function when *its own* fi
 not when a function it calls (and inlines) in another file does: after an edit of
 ``pool_kernel.py``, the kernel's cached steps ran the old pool code on the new layout and
 corrupted a forecast's undo silently. A folder per fingerprint makes any edit here recompile
-everything once.
+everything once; the folders of other fingerprints not used for a day are removed (an
+installed package never changes its sources, but a working tree piled up 78 MB of them).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import time
 from pathlib import Path
 
 try:  # pragma: no cover - which branch runs depends on the environment
@@ -37,8 +40,20 @@ def _cache_dir() -> str:
     return str(here / "__pycache__" / f"numba-{h.hexdigest()}")
 
 
+def _prune(keep: str, max_age_s: float = 86_400.0) -> None:
+    """Remove the cache folders of other fingerprints untouched for ``max_age_s`` (best
+    effort: another process may be using one; a removed one is only compiled again)."""
+    for old in Path(keep).parent.glob("numba-*"):
+        try:
+            if str(old) != keep and time.time() - old.stat().st_mtime > max_age_s:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:  # pragma: no cover - raced with another remover
+            pass
+
+
 if JIT:
     _CACHE_DIR = _cache_dir()
+    _prune(_CACHE_DIR)
 
     def njit(*args, **kwargs):
         """``numba.njit``; with ``cache=True`` the cache goes to this package's fingerprinted
