@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -57,8 +57,10 @@ def config(**kw: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def gateway(cfg: dict[str, Any]) -> AsyncIterator[tuple[Service, httpx.AsyncClient]]:
-    svc = await Service(pool_from_dict(cfg, "test"), drain_timeout_s=3.0).start()
+async def gateway(cfg: dict[str, Any], read: Callable[[Any, str], Any] = pool_from_dict
+                  ) -> AsyncIterator[tuple[Service, httpx.AsyncClient]]:
+    """The service over the pool ``cfg`` (``read``: how the pool config is read)."""
+    svc = await Service(read(cfg, "test"), drain_timeout_s=3.0).start()
     try:
         async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
             yield svc, c

@@ -15,7 +15,7 @@ from duetime.estimate import EstimatedPrefixIndex
 from duetime.metrics import summarize
 from duetime.policy import Candidate, RoutingRequest, make_policy
 from duetime.sim import ClusterSim, SimInstance
-from duetime.sim.cache_view import PreciseIndex, PromptHashes
+from duetime.sim.cache_view import PreciseIndex, keys_by_block_size
 from duetime.sim.retry import run_retries
 from duetime.workload import (
     Poisson,
@@ -180,7 +180,7 @@ def test_the_estimated_index_learns_from_routing() -> None:
 
     def request(i: int) -> RoutingRequest:
         return RoutingRequest(str(i), int(rs.prompt[i]), None, rs.output[i, :2], 1.0,
-                              prompt_hashes=PromptHashes(rs.segments[i]))
+                              prompt_hashes=keys_by_block_size(rs.segments[i]))
 
     first = policy.choose(request(0), cands, 0.0).index
     h = prompt_hashes(rs, 1, 16)  # turn 2 shares turn 1's prompt

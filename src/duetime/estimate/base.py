@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from duetime.engine.snapshot import Snapshot
 
 
@@ -75,6 +77,24 @@ class InstanceView(Protocol):
 
 # a request's prompt block keys for a block size (see RoutingRequest.prompt_hashes)
 PromptHashes = Callable[[int], Sequence[int]]
+
+
+class KeysByBlockSize:
+    """A prompt's block keys per block size, each size computed once (by ``keys``) and kept as
+    an int64 array (what the forecasts take without a conversion): a ``PromptHashes``."""
+
+    __slots__ = ("_by_size", "_keys")
+
+    def __init__(self, keys: Callable[[int], Sequence[int] | np.ndarray]) -> None:
+        self._keys = keys
+        self._by_size: dict[int, np.ndarray] = {}
+
+    def __call__(self, block_size: int) -> np.ndarray:
+        got = self._by_size.get(block_size)
+        if got is None:
+            got = self._by_size[block_size] = np.asarray(self._keys(block_size),
+                                                         dtype=np.int64)
+        return got
 
 
 class Estimator(Protocol):

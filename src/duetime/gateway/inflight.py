@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from duetime.estimate.base import InstanceStats
@@ -25,13 +25,14 @@ DONE_MEMORY_S = 5.0  # how long a completion is remembered
 class Flight:
     """One upstream attempt, as the gateway observes it."""
 
-    __slots__ = ("dispatched", "first_token", "forecast", "id", "predicted", "prompt_tokens",
-                 "shadowed", "tokens")
+    __slots__ = ("dispatched", "first_token", "forecast", "hashes", "id", "predicted",
+                 "prompt_tokens", "shadowed", "tokens")
 
     def __init__(self, fid: str, prompt_tokens: int, predicted: int, dispatched: float,
-                 forecast: float | None) -> None:
+                 forecast: float | None, hashes: Sequence[int] | None = None) -> None:
         self.id = fid
         self.prompt_tokens = prompt_tokens
+        self.hashes = hashes  # its prompt's block keys at the instance's block size, if caching
         self.predicted = predicted
         self.dispatched = dispatched
         self.forecast = forecast

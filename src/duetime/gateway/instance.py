@@ -17,7 +17,7 @@ records (:meth:`dispatch`, :meth:`first_token`, :meth:`progress`, :meth:`complet
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
@@ -66,8 +66,12 @@ class InstanceState:
     # -- which source ---------------------------------------------------------------------------
 
     def _published_fresh(self, now: float) -> bool:
-        return (self.state.source in ("auto", "published")
-                and self.published.fresh(now, self.state.max_age_s))
+        # (with prefix caching, ``auto`` reads the replica: it estimates the instance's cache,
+        # which a published snapshot of version 1 leaves out)
+        source = self.state.source
+        if source == "auto" and self.instance.config.enable_prefix_caching:
+            return False
+        return source in ("auto", "published") and self.published.fresh(now, self.state.max_age_s)
 
     def _metrics_fresh(self, now: float) -> bool:
         return (self.state.source in ("auto", "metrics")
@@ -129,8 +133,10 @@ class InstanceState:
     # -- what the gateway does and sees ---------------------------------------------------------
 
     def dispatch(self, fid: str, prompt_tokens: int, predicted: int, now: float,
-                 forecast: float | None) -> Flight:
-        f = Flight(fid, prompt_tokens, predicted, now, forecast)
+                 forecast: float | None, hashes: Sequence[int] | None = None) -> Flight:
+        """An attempt sent to this instance (``hashes``: its prompt's block keys, with prefix
+        caching: its replica caches them)."""
+        f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
         self.shadow.add(f, now)
         self.inflight.dispatch(f)
         self.metrics.in_flight.labels(self.name).inc()

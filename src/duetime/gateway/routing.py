@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from duetime.estimate.base import KeysByBlockSize
 from duetime.gateway.config import Pool
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
@@ -30,12 +31,12 @@ from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, S
 from duetime.predict.quality_source import QualitySource, Query, TaskTable
 from duetime.serving.asgi import Scope, Send, header, send_json
 from duetime.serving.errors import ApiError
+from duetime.serving.prefix_keys import prompt_block_keys
 from duetime.serving.requests import CompletionRequest, prompt_texts
 
 log = logging.getLogger("duetime.gateway")
 
 MEAN_TASK = "*"  # no task given and no default: each model's mean quality over the tasks
-
 
 class Router:
     """Chooses instances for requests and runs the attempts (through the :class:`Relay`)."""
@@ -180,6 +181,7 @@ class Router:
                                   "include_usage": True}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         quality, success, lengths = self.predict(req, ctl)
+        keys = KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size))
         cap = predicted if req.max_tokens else 1 << 30
         load = METRICS in self.consumes
         fresh = SNAPSHOT in self.consumes or load  # (load gauges fall back to the snapshot)
@@ -207,7 +209,8 @@ class Router:
                           max(1, min(cap, round(lengths.get(c.model, predicted))))
                           for c in cands]),
                 max(0.0, ctl.target_s - (now - t0)), ctl.task, ctl.session, ctl.attempted,
-                None if success is None else np.array([success[c.model] for c in cands]))
+                None if success is None else np.array([success[c.model] for c in cands]),
+                keys)
             decision = self.policy.choose(rr, [c.candidate for c in cands], now)
             inst = cands[decision.index]
             tried.add(inst.name)
@@ -218,8 +221,10 @@ class Router:
             self.metrics.state_source.labels(inst.name, inst.source(load)).inc()
             body["model"] = inst.instance.served_model
             fid = f"{rid}-{attempt}"
+            cfg = inst.instance.config
             flight = inst.dispatch(fid, req.prompt_tokens, predicted, time.monotonic(),
-                                   decision.forecast)
+                                   decision.forecast,
+                                   keys(cfg.block_size) if cfg.enable_prefix_caching else None)
             if attempt == 1:
                 self.metrics.overhead.observe(time.monotonic() - t0)
             try:

@@ -10,6 +10,11 @@ completion, failure or cancellation it leaves the replica (``Engine.abort``).
 
 Time moves only in :meth:`ShadowReplica.refresh` (and before each event): reading a snapshot
 changes nothing.
+
+With prefix caching (the instance's config says ``enable_prefix_caching``) the replica is also
+the gateway's *estimated* view of the instance's cache: each request joins with its prompt's
+block keys, so the replica caches, shares and evicts blocks as vLLM would for the requests
+this gateway sent (and knows nothing of others'), and its forecasts price the hits.
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ class ShadowReplica:
         else:
             self._advance(now)
         eng.add(flight.id, flight.prompt_tokens, eng.config.max_model_len,
-                predicted_output_tokens=flight.predicted, arrival=now)
+                predicted_output_tokens=flight.predicted, arrival=now,
+                hashes=flight.hashes if eng.caching else None)
         flight.shadowed = True
 
     def first_token(self, flight: Flight, now: float) -> None:

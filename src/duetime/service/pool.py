@@ -4,6 +4,7 @@ as the gateway's own do)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +32,31 @@ def embedded_options(pool: Pool) -> dict[str, EmulatorOptions]:
     return out
 
 
+def _with_embedded_caching(pool: Pool) -> Pool:
+    """An embedded instance caches prefixes as its emulator options say (on unless false, as
+    vLLM): its spec says so too, so the gateway's replica of it caches (its estimated view of
+    the cache: :mod:`duetime.gateway.shadow`)."""
+    opts = embedded_options(pool)
+    insts = []
+    for inst in pool.instances:
+        o = opts.get(inst.name)
+        if o is not None and inst.config.enable_prefix_caching != o.enable_prefix_caching:
+            cfg = replace(inst.config, enable_prefix_caching=o.enable_prefix_caching)
+            inst = replace(inst, spec=replace(inst.spec, config=cfg))
+        insts.append(inst)
+    return replace(pool, instances=tuple(insts))
+
+
 def pool_from_dict(data: Any, source: str = "pool") -> Pool:
-    """:func:`duetime.gateway.pool_from_dict`, with the embedded instances' options checked."""
-    pool = gateway_pool_from_dict(data, source)
-    embedded_options(pool)
-    return pool
+    """:func:`duetime.gateway.pool_from_dict`, with the embedded instances' options checked
+    (and their prefix caching in their specs)."""
+    return _with_embedded_caching(gateway_pool_from_dict(data, source))
 
 
 def load_pool(path: str | Path) -> Pool:
-    """:func:`duetime.gateway.load_pool`, with the embedded instances' options checked."""
-    pool = load_gateway_pool(path)
-    embedded_options(pool)
-    return pool
+    """:func:`duetime.gateway.load_pool`, with the embedded instances' options checked (and
+    their prefix caching in their specs)."""
+    return _with_embedded_caching(load_gateway_pool(path))
 
 
 def demo_pool(*, speed: float = 1.0, policy: str = "sfs") -> Pool:

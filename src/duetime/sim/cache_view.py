@@ -12,8 +12,8 @@ A :class:`~duetime.sim.instance.SimInstance` whose engine caches prefixes carrie
 
 An instance without caching has none (``None``): cache-aware policies then match nothing there.
 
-:class:`PromptHashes` is a request's ``prompt_hashes`` callable: block size -> the chained
-hashes of its prompt's full blocks, memoised per block size.
+:func:`keys_by_block_size` makes a request's ``prompt_hashes`` callable: block size -> the
+chained hashes of its prompt's full blocks, memoised per block size.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from duetime.engine.compiled import Engine
+from duetime.estimate.base import KeysByBlockSize
 from duetime.estimate.prefix_index import EstimatedPrefixIndex, PrefixIndex
 from duetime.workload.requests import RequestSet
 from duetime.workload.segments import Segments, block_hashes, sequence_hashes
@@ -71,21 +72,9 @@ def prefix_index_for(engine: Engine, view: str) -> PrefixIndex | None:
     return EstimatedPrefixIndex(engine.config.block_size, engine.config.usable_blocks)
 
 
-class PromptHashes:
-    """Block size -> the chained hashes of one prompt's full blocks (int64 array), each block
-    size computed once (``duetime.workload.segments.block_hashes``)."""
-
-    __slots__ = ("_by_size", "segments")
-
-    def __init__(self, segments: Segments) -> None:
-        self.segments = segments
-        self._by_size: dict[int, np.ndarray] = {}
-
-    def __call__(self, block_size: int) -> np.ndarray:
-        got = self._by_size.get(block_size)
-        if got is None:
-            got = self._by_size[block_size] = block_hashes(self.segments, block_size)
-        return got
+def keys_by_block_size(segments: Segments) -> KeysByBlockSize:
+    """A request's ``prompt_hashes`` from its segments (``block_hashes`` per block size)."""
+    return KeysByBlockSize(lambda block_size: block_hashes(segments, block_size))
 
 
 def engine_hashes(requests: RequestSet, i: int, output_tokens: int,

@@ -31,7 +31,7 @@ from duetime.estimate.base import Estimator
 from duetime.policy.base import Candidate, Policy, RoutingRequest
 from duetime.policy.registry import QUALITY, SUCCESS
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
-from duetime.sim.cache_view import PromptHashes, check_cache_view, engine_hashes
+from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_block_size
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
 from duetime.workload.profile import WorkloadProfile
@@ -226,7 +226,7 @@ class ClusterSim:
                                  pred_out[i, cand_model], float(requests.target[i]),
                                  requests.tasks[requests.task[i]], session=session,
                                  success=None if pred_s is None else pred_s[i, cand_model],
-                                 prompt_hashes=PromptHashes(requests.segments[i]) if shared
+                                 prompt_hashes=keys_by_block_size(requests.segments[i]) if shared
                                  else None)
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)

@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from duetime.engine.spec import InstanceSpec
+from duetime.estimate.base import KeysByBlockSize
 from duetime.policy.base import Candidate, Policy, RoutingRequest
 from duetime.predict.quality_source import QualitySource, QueryTable
-from duetime.sim.cache_view import PromptHashes, check_cache_view
+from duetime.sim.cache_view import check_cache_view, keys_by_block_size
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
 from duetime.workload.segments import Segments
@@ -106,14 +107,14 @@ def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: 
     tried: list[set[str]] = [set() for _ in range(n)]
     inflight: dict[str, tuple[int, int, float]] = {}  # request id -> (query, model, sent)
     next_query = min(clients, n)
-    hashes: dict[int, PromptHashes] = {}  # per query, its prompt's hashes by block size
+    hashes: dict[int, KeysByBlockSize] = {}  # per query, its prompt's hashes by block size
 
     def dispatch(t: float, q: int) -> None:
         ph = None
         if segments is not None:
             ph = hashes.get(q)
             if ph is None:
-                ph = hashes[q] = PromptHashes(segments[q])
+                ph = hashes[q] = keys_by_block_size(segments[q])
         req = RoutingRequest(f"{q}.{len(attempts[q])}", int(prompt_tokens[q]), None,
                              pred_out[q], float("inf"), task, session=str(q),
                              attempted=frozenset(tried[q]), success=success_pred[q],
