@@ -12,10 +12,11 @@ import pytest
 
 from duetime.cli import main
 from duetime.estimate import EstimatedPrefixIndex
+from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.metrics import summarize
 from duetime.policy import Candidate, RoutingRequest, make_policy
 from duetime.sim import ClusterSim, SimInstance
-from duetime.sim.cache_view import PreciseIndex, keys_by_block_size
+from duetime.sim.cache_view import keys_by_block_size
 from duetime.sim.retry import run_retries
 from duetime.workload import (
     Poisson,
@@ -64,7 +65,7 @@ def test_an_instance_carries_a_precise_or_estimated_index_only_when_it_caches() 
     spec = ClusterSim(DEMO, make_policy("round-robin"), prefix_caching=True).spec("qwen3-8b")
     cfg = spec.config
     precise = SimInstance("a", spec).prefix_index
-    assert isinstance(precise, PreciseIndex)
+    assert isinstance(precise, EngineCacheIndex)
     assert (precise.block_size, precise.capacity_blocks) == (cfg.block_size, cfg.usable_blocks)
     est = SimInstance("b", spec, cache_view="estimated").prefix_index
     assert isinstance(est, EstimatedPrefixIndex)

@@ -22,6 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
+from duetime.engine.compiled import Engine
+
 
 class PrefixIndex(Protocol):
     """One instance's prefix cache as the router sees it, in blocks of ``block_size`` tokens."""
@@ -42,6 +44,32 @@ class PrefixIndex(Protocol):
         """The router sent a request with these prompt hashes to the instance (a no-op for a
         precise index, which learns from the instance's own events)."""
         ...
+
+
+class EngineCacheIndex:
+    """A :class:`PrefixIndex` over an engine's own cache, read as it is now: the simulator's
+    *precise* view (the instance's engine), and the gateway's estimated one (the instance's
+    shadow replica, which caches what the gateway sent there)."""
+
+    __slots__ = ("block_size", "capacity_blocks", "engine")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.block_size = engine.config.block_size
+        self.capacity_blocks = engine.config.usable_blocks
+
+    def match(self, hashes: Sequence[int]) -> int:
+        return self.engine.cached_prefix(hashes)
+
+    def cached_blocks(self) -> int:
+        return self.engine.cached_blocks
+
+    def record(self, hashes: Sequence[int]) -> None:
+        """A no-op: the engine's cache is read as it is."""
+
+    def __repr__(self) -> str:
+        return (f"EngineCacheIndex(block_size={self.block_size}, "
+                f"capacity_blocks={self.capacity_blocks}, cached={self.cached_blocks()})")
 
 
 def prefix_index_of(view: object) -> PrefixIndex | None:

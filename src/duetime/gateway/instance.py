@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
+from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.gateway.config import Instance, Pool
 from duetime.gateway.health import HealthTracker
 from duetime.gateway.inflight import Flight, FlightStore, InFlight
@@ -46,6 +47,10 @@ class InstanceState:
                                    instance.price_output, self)
         self.inflight = InFlight(instance.name, store)
         self.shadow = ShadowReplica(instance.name, instance.spec, now, pool.state.sync_interval_s)
+        # what cache-aware policies read: the replica's cache, the gateway's estimate of the
+        # instance's (see duetime.gateway.shadow)
+        self.prefix_index = (EngineCacheIndex(self.shadow.engine)
+                             if instance.config.enable_prefix_caching else None)
         self.published = PublishedSnapshots(None if instance.snapshot == "auto" else False)
         self.scraped = ScrapedMetrics()
         self.health = HealthTracker(instance.name, pool.health.eject_after, metrics)

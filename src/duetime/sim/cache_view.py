@@ -3,7 +3,7 @@
 A :class:`~duetime.sim.instance.SimInstance` whose engine caches prefixes carries a
 ``prefix_index`` (:class:`~duetime.estimate.prefix_index.PrefixIndex`) of one of two kinds:
 
-* ``precise`` (:class:`PreciseIndex`): the engine's own cache, read at the moment of the
+* ``precise`` (:class:`~duetime.estimate.prefix_index.EngineCacheIndex`): the engine's own cache, read at the moment of the
   decision -- what a router fed by vLLM's KV events (llm-d's precise prefix-cache scorer) knows;
   ``record`` is a no-op;
 * ``estimated``: an :class:`~duetime.estimate.prefix_index.EstimatedPrefixIndex` sized from the
@@ -18,41 +18,15 @@ chained hashes of its prompt's full blocks, memoised per block size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from duetime.engine.compiled import Engine
 from duetime.estimate.base import KeysByBlockSize
-from duetime.estimate.prefix_index import EstimatedPrefixIndex, PrefixIndex
+from duetime.estimate.prefix_index import EngineCacheIndex, EstimatedPrefixIndex, PrefixIndex
 from duetime.workload.requests import RequestSet
 from duetime.workload.segments import Segments, block_hashes, sequence_hashes
 
 CACHE_VIEWS = ("precise", "estimated")
-
-
-class PreciseIndex:
-    """A :class:`~duetime.estimate.prefix_index.PrefixIndex` over an engine's own cache."""
-
-    __slots__ = ("block_size", "capacity_blocks", "engine")
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.block_size = engine.config.block_size
-        self.capacity_blocks = engine.config.usable_blocks
-
-    def match(self, hashes: Sequence[int]) -> int:
-        return self.engine.cached_prefix(hashes)
-
-    def cached_blocks(self) -> int:
-        return self.engine.cached_blocks
-
-    def record(self, hashes: Sequence[int]) -> None:
-        """A no-op: the engine's cache is read as it is."""
-
-    def __repr__(self) -> str:
-        return (f"PreciseIndex(block_size={self.block_size}, "
-                f"capacity_blocks={self.capacity_blocks}, cached={self.cached_blocks()})")
 
 
 def check_cache_view(view: str) -> str:
@@ -68,7 +42,7 @@ def prefix_index_for(engine: Engine, view: str) -> PrefixIndex | None:
     if not engine.caching:
         return None
     if view == "precise":
-        return PreciseIndex(engine)
+        return EngineCacheIndex(engine)
     return EstimatedPrefixIndex(engine.config.block_size, engine.config.usable_blocks)
 
 
