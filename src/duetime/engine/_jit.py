@@ -13,6 +13,7 @@ installed package never changes its sources, but a working tree piled up 78 MB o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -44,11 +45,9 @@ def _prune(keep: str, max_age_s: float = 86_400.0) -> None:
     """Remove the cache folders of other fingerprints untouched for ``max_age_s`` (best
     effort: another process may be using one; a removed one is only compiled again)."""
     for old in Path(keep).parent.glob("numba-*"):
-        try:
+        with contextlib.suppress(OSError):  # (raced with another remover)
             if str(old) != keep and time.time() - old.stat().st_mtime > max_age_s:
                 shutil.rmtree(old, ignore_errors=True)
-        except OSError:  # pragma: no cover - raced with another remover
-            pass
 
 
 if JIT:

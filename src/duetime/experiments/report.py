@@ -43,9 +43,9 @@ def md_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
                           for r in rows)
 
 
-def line_plot(path: Path, rows: list[dict[str, Any]], x: str, y: str, *, group: str = "router",
-              title: str = "", xlabel: str = "", ylabel: str = "") -> None:
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+def _grouped_lines(ax: Any, rows: list[dict[str, Any]], x: str, y: str, group: str) -> None:
+    """A line per ``group`` value (in the order they first appear), points sorted by x;
+    ``sfs`` drawn thicker."""
     groups: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         groups.setdefault(str(r[group]), []).append((float(r[x]), float(r[y])))
@@ -53,6 +53,12 @@ def line_plot(path: Path, rows: list[dict[str, Any]], x: str, y: str, *, group: 
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name,
                 lw=2.2 if name == "sfs" else 1.2)
+
+
+def line_plot(path: Path, rows: list[dict[str, Any]], x: str, y: str, *, group: str = "router",
+              title: str = "", xlabel: str = "", ylabel: str = "") -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    _grouped_lines(ax, rows, x, y, group)
     ax.set_xlabel(xlabel or x)
     ax.set_ylabel(ylabel or y)
     ax.set_title(title)
@@ -108,13 +114,7 @@ def panels_plot(path: Path, panels: list[tuple[str, list[dict[str, Any]]]], x: s
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), dpi=110,
                              sharey=True, squeeze=False)
     for ax, (name, rows) in zip(axes[0], panels, strict=True):
-        groups: dict[str, list[tuple[float, float]]] = {}
-        for r in rows:
-            groups.setdefault(str(r[group]), []).append((float(r[x]), float(r[y])))
-        for g, pts in groups.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=g,
-                    lw=2.2 if g == "sfs" else 1.2)
+        _grouped_lines(ax, rows, x, y, group)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel or x)
         ax.grid(alpha=0.3)
