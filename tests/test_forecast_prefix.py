@@ -337,3 +337,54 @@ def test_a_forecast_writes_no_block_list_of_the_engine(seed: int) -> None:
             continue
     assert (eng._rb[:eng._rb_used] == arena).all()
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cache_follows_what_the_instance_reports(seed: int) -> None:
+    """``cache_store`` / ``cache_drop`` / ``cache_clear`` (what a router's mirror of vLLM's KV
+    events tells the replica): stored keys are hit by the next request and by forecasts,
+    dropped ones are not, the accounting holds, and the engine runs on as before."""
+    eng, systems, _ = _engine(seed)
+    eng.drain()  # (idle: a probe is admitted at once, so its hits are what the cache holds)
+    rng = random.Random(seed + 1000)  # (not _engine's stream: its keys would collide)
+    bs = eng.config.block_size
+    new = [rng.getrandbits(62) for _ in range(6)]
+    placed = eng.cache_store(new)
+    eng.check_invariants()
+    assert placed == min(6, eng.free_blocks)  # (one free block per key, none freed)
+    assert eng.cached_prefix(new) == placed and eng.cache_store(new[:placed]) == 0
+    snap = eng.snapshot()
+    p = placed * bs + 7
+    warm = forecast(snap, p, prompt_hashes=new[:placed]).estimate_s
+    cold = forecast(snap, p, prompt_hashes=[rng.getrandbits(62)]).estimate_s
+    assert warm < cold
+    held = list(systems[0])
+    dropped = eng.cache_drop([*new[:2], *held])
+    eng.check_invariants()
+    assert eng.cached_prefix(new[:2]) == 0 and eng.cached_prefix(held) == 0
+    assert dropped >= min(placed, 2)
+    eng.add("after", 3 * bs, 4, hashes=new[2:5])
+    for _ in range(400):
+        if eng.idle:
+            break
+        eng.step()
+        eng.check_invariants()
+    cached = eng.cached_blocks
+    assert eng.cache_clear() == cached
+    assert eng.cached_blocks == 0 and eng.cached_prefix(new) == 0
+    eng.check_invariants()
+
+
+def test_told_keys_leave_the_queue_in_vllms_order() -> None:
+    """A stored key takes the free queue's head (evicting the least recent cached block) and
+    becomes the most recent; a dropped free block goes to the front, without its key."""
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096,
+                          block_size=16, num_gpu_blocks=5, enable_prefix_caching=True)
+    eng = Engine(cfg, PAPER4)
+    assert eng.cache_store([11, 12, 13, 14]) == 4  # 4 usable blocks (block 0 is the null one)
+    assert eng.cache_store([15]) == 1  # evicts 11, the least recent
+    assert eng.cached_prefix([11]) == 0 and eng.cached_prefix([12, 13, 14, 15]) == 4
+    assert eng.cache_drop([13]) == 1
+    assert eng.cache_store([16]) == 1  # takes that block first (the front), not 12's
+    assert eng.cached_prefix([12]) == 1 and eng.cached_blocks == 4
+    eng.check_invariants()

@@ -96,3 +96,39 @@ def test_prefix_load_sends_a_conversation_back_to_its_cache() -> None:
     placed, again = run(go())
     assert sorted(placed) == ["a", "b"]
     assert again == placed
+
+
+def test_the_gateway_sizes_its_view_from_the_instances_cache_config() -> None:
+    """An instance behind a URL reports its KV cache in ``vllm:cache_config_info``: the gateway
+    adopts its block size, KV blocks and prefix caching over the pool config's (the profile's
+    here), so its replica estimates a cache of the instance's size."""
+    from duetime.emulator import Emulator, create_app
+    from duetime.engine import Paper4, SchedulerConfig
+    from duetime.serving.server import AppServer
+    from test_gateway import PRICE, wait_for
+
+    async def go():
+        emu = Emulator(Paper4(b0=1e-3, b1=1e-6, b2=0.0, b3=0.0),
+                       SchedulerConfig(max_model_len=4096, num_gpu_blocks=300, block_size=32),
+                       model_name="qwen3-0.6b", enable_prefix_caching=True)
+        upstream = await AppServer(create_app(emu)).start()
+        try:
+            cfg = {"instances": [{"name": "u", "model": "qwen3-0.6b", "url": upstream.url,
+                                  "profile": "qwen3-0.6b", "price_usd_per_mtok": PRICE}],
+                   "health": {"interval_s": 0.1}}
+            async with gateway(cfg, pool_from_dict) as (svc, c):
+                inst = svc.gateway.instances[0]
+                before = svc.gateway.pool.instances[0].config  # (the pool config's)
+                ok = await wait_for(lambda: inst.instance.config.num_gpu_blocks == 300)
+                r = await c.post("/v1/completions", json={"prompt": [1] * 100,
+                                                          "max_tokens": 2})
+                return before, ok, inst, r
+        finally:
+            await upstream.stop()
+
+    before, ok, inst, r = run(go())
+    assert (before.num_gpu_blocks, before.block_size) != (300, 32)
+    cfg = inst.instance.config
+    assert ok and (cfg.block_size, cfg.enable_prefix_caching) == (32, True)
+    assert inst.shadow.engine.config.num_gpu_blocks == 300 and inst.prefix_index is not None
+    assert r.status_code == 200

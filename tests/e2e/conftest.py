@@ -14,6 +14,7 @@ and yields one ``VllmServer`` per instance. Teardown stops each server's process
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -54,9 +55,9 @@ SERVER_FLAGS = [
     # reload ("'function' object has no attribute 'finalize_loading'"): eager starts faster.
     "--enforce-eager",
     "--seed", "0",
-    # duetime's engine replays vLLM's scheduler without a prefix cache (as the SFS paper ran
-    # it): the servers run without one, so forecasts and servers follow the same rules.
-    "--no-enable-prefix-caching",
+    # prefix caching stays on, as users run vLLM (its default); the gateway follows each
+    # server's cache through its KV events (--kv-events-config, per server below)
+    "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
     "--disable-uvicorn-access-log",
 ]  # fmt: skip
 SERVER_ENV = {
@@ -97,6 +98,8 @@ class VllmServer:
     kv_cache_size_tokens: int
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
+    kv_events: str  # its KV-event publisher (ipc://...), and the replay endpoint
+    kv_events_replay: str
     # `duetime calibrate` against this server (while idle, right after start): the pool YAML
     # keys batch_time, config and request_overhead_ms, and the fit's median |error| by kind
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -169,17 +172,27 @@ def _clean_env() -> dict[str, str]:
     return env
 
 
+def kv_events_config(endpoint: str, replay: str) -> str:
+    """vLLM's ``--kv-events-config``: a ZMQ publisher of its KV-cache events (ipc sockets:
+    nothing listens beyond this machine) with a replay endpoint."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": endpoint, "replay_endpoint": replay, "topic": ""})
+
+
 class _Proc:
     def __init__(self, name: str, size: str, model_dir: Path, port: int, core: int, log: Path):
         self.name, self.size, self.model_dir, self.port, self.log = name, size, model_dir, port, log
         self.core = core
         self.popen: subprocess.Popen[bytes] | None = None
+        self.kv_events = f"ipc://{log.parent / (name + '.kv')}"
+        self.kv_events_replay = f"ipc://{log.parent / (name + '.kv-replay')}"
 
     def start(self, python: Path) -> None:
         cmd = [
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model_dir), "--served-model-name", self.name,
             "--host", "127.0.0.1", "--port", str(self.port), *SERVER_FLAGS,
+            "--kv-events-config", kv_events_config(self.kv_events, self.kv_events_replay),
         ]  # fmt: skip
         env = _clean_env()
         # One engine thread per instance, each on its own core (vLLM binds OpenMP threads).
@@ -269,6 +282,8 @@ def _describe(proc: _Proc) -> VllmServer:
         kv_cache_size_tokens=int(cache.get("kv_cache_size_tokens") or 0),
         enable_prefix_caching=cache.get("enable_prefix_caching") == "True",
         enable_chunked_prefill=chunked is not None,
+        kv_events=proc.kv_events,
+        kv_events_replay=proc.kv_events_replay,
     )
 
 

@@ -2,8 +2,8 @@
 
 :func:`pool_config` is the one place that describes the two tiny vLLM servers to the gateway:
 their batch-time models and request overheads (calibrated by the fixture with ``duetime
-calibrate``'s code), their scheduler config (what the servers resolved), the models' shared
-tokenizer, equal prices and a quality table that prefers ``tiny-large``. Tests change what they
+calibrate``'s code), their scheduler config (what the servers resolved), their KV-event
+publishers, the models' shared tokenizer folder, equal prices and a quality table that prefers ``tiny-large``. Tests change what they
 need with ``**overrides``.
 """
 
@@ -46,6 +46,8 @@ def instance_config(server: Any, name: str | None = None, **overrides: Any) -> d
             "long_prefill_token_threshold": 0,
         },
         "price_usd_per_mtok": dict(PRICE),
+        # its KV events: the gateway's precise view of its prefix cache
+        "kv_events": {"endpoint": server.kv_events, "replay": server.kv_events_replay},
     }
     inst.update(overrides)
     return inst
@@ -58,8 +60,9 @@ def pool_config(vllm_pool: Iterable[Any], **overrides: Any) -> dict[str, Any]:
     servers = list(vllm_pool)
     cfg: dict[str, Any] = {
         "policy": "sfs",
-        # the tiny models share their tokenizer (same recipe and seed): exact prompt counts
-        "tokenizer": str(servers[0].model_dir / "tokenizer.json"),
+        # the tiny models share their tokenizer and chat template (same recipe and seed): the
+        # prompts' token ids as vLLM makes them
+        "tokenizer": str(servers[0].model_dir),
         "retries": 2,
         "quality": {"workload": None, "tasks": {"default": dict(QUALITY)},
                     "default_task": "default"},

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ import numpy as np
 
 from duetime.engine.batch_time import Paper4
 from duetime.engine.config import SchedulerConfig
+from duetime.serving.cache_info import cache_config_info
 
 # A text whose tokenisation gives the probes' token ids: any model's tokenizer splits it into
 # ordinary tokens (no special ids, nothing the server rejects).
@@ -252,11 +252,5 @@ async def cache_facts(url: str, timeout_s: float = 10.0) -> dict[str, int]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
             s.get(url.rstrip("/") + "/metrics") as r:
         text = await r.text() if r.status == 200 else ""
-    out: dict[str, int] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:cache_config_info{"):
-            for key in ("block_size", "num_gpu_blocks"):
-                m = re.search(rf'\b{key}="(\d+)"', line)
-                if m:
-                    out[key] = int(m.group(1))
-    return out
+    info = cache_config_info(text)
+    return {k: int(info[k]) for k in ("block_size", "num_gpu_blocks") if k in info}

@@ -32,6 +32,7 @@ from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import config_array
 from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take, stuck_reason
 from duetime.engine.pool_kernel import (
+    drop_keys,
     key_match,
     new_key_map,
     new_pool,
@@ -39,6 +40,7 @@ from duetime.engine.pool_kernel import (
     pool_allocate,
     queue_of,
     reclaim,
+    store_free,
 )
 from duetime.engine.prefix_state import PrefixState, with_room
 from duetime.engine.scheduler import EngineStuck
@@ -621,6 +623,40 @@ class Engine:
             return 0
         self._reclaim()
         return int(key_match(self._kmap, np.asarray(hashes, dtype=np.int64)))
+
+    def cache_store(self, hashes: Sequence[int] | np.ndarray) -> int:
+        """Prefix caching: the instance reports these block keys cached (vLLM's KV event
+        ``BlockStored``): those the engine lacks become free cached blocks, most recently
+        used (a free block is taken for each, from the head of the free queue, as vLLM would
+        evict). Returns how many were added. For a router that mirrors an instance's events
+        into its replica of it."""
+        return self._tell(store_free, hashes)
+
+    def cache_drop(self, hashes: Sequence[int] | np.ndarray) -> int:
+        """Prefix caching: the instance reports these block keys evicted (vLLM's
+        ``BlockRemoved``): they leave the cache. Returns how many blocks lost a key."""
+        return self._tell(drop_keys, hashes)
+
+    def cache_clear(self) -> int:
+        """Prefix caching: the instance's cache was emptied (vLLM's ``AllBlocksCleared``, or a
+        restart): every key leaves. Returns how many blocks lost one."""
+        if not self.caching:
+            return 0
+        self._reclaim()
+        pool = self._pool
+        return self._tell(drop_keys, np.unique(pool[pool[:, 1] != 0, 2]))
+
+    def _tell(self, kernel, hashes: Sequence[int] | np.ndarray) -> int:
+        if not self.caching:
+            return 0
+        keys = np.asarray(hashes, dtype=np.int64)
+        if keys.size == 0:
+            return 0
+        self._reclaim()
+        n = int(kernel(self._pool, self._kmap, keys))
+        if n:
+            self._changed()
+        return n
 
     @property
     def prefix_queries(self) -> int:

@@ -434,6 +434,51 @@ def cache_many(pool, kmap, blocks, keys):  # pragma: no cover - jit
         pool_cache(pool, kmap, blocks[i], keys[i], None)
 
 
+# -- told by the instance (KV events) ------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def store_free(pool, kmap, keys):  # pragma: no cover - jit
+    """The instance cached ``keys`` (vLLM's ``BlockStored``): each key the pool does not hold
+    takes a free block from the queue's head (evicting its key, as an allocation would) and
+    joins the tail with it, most recent; a key already held stays as it is. Stops when no free
+    block is left. Returns how many keys were placed (the free count is unchanged)."""
+    head, tail = pool.shape[0] - 2, pool.shape[0] - 1
+    placed = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        if key_get(kmap, k) >= 0:
+            continue
+        b = pool[head, P_NXT]
+        if b == tail:
+            break
+        _unlink(pool, b, None)
+        if pool[b, P_HAS]:
+            _evict(pool, kmap, b, None)
+        pool_cache(pool, kmap, b, k, None)
+        _insert_after(pool, pool[tail, P_PRV], b, None)
+        placed += 1
+    return placed
+
+
+@njit(cache=True, nogil=True)
+def drop_keys(pool, kmap, keys):  # pragma: no cover - jit
+    """The instance no longer caches ``keys`` (vLLM's ``BlockRemoved``): every block under
+    each leaves the cache; a free one moves to the queue's front, as a block without a key (a
+    held one stays held and, freed later, goes there too). Returns how many blocks."""
+    head = pool.shape[0] - 2
+    n = 0
+    for i in range(keys.shape[0]):
+        b = key_get(kmap, keys[i])
+        while b >= 0:
+            _evict(pool, kmap, b, None)
+            if pool[b, P_REF] == 0:
+                _unlink(pool, b, None)
+                _insert_after(pool, head, b, None)
+            n += 1
+            b = key_get(kmap, keys[i])
+    return n
+
+
 @njit(cache=True, nogil=True)
 def pool_lookup(kmap, rk, koff, nkey, uid, n, rb, at):  # pragma: no cover - jit
     """The longest cached run of a request's first ``n`` full blocks: written to

@@ -75,9 +75,15 @@ class Gateway:
         self.upstream = Upstream(connect_s=t.connect_s, read_s=t.read_s)
         await self.upstream.start()
         self.pollers.start()
+        for s in self.instances:
+            if s.events is not None:
+                s.events.start()
 
     async def close(self) -> None:
         await self.pollers.stop()
+        for s in self.instances:
+            if s.events is not None:
+                s.events.close()
         if self.upstream is not None:
             await self.upstream.close()
             self.upstream = None

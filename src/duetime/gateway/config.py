@@ -44,6 +44,28 @@ class EmbeddedSpec(BaseModel):
     speed: float = Field(1.0, gt=0)
 
 
+class KvEventsSpec(_Strict):
+    """``kv_events:`` where an instance publishes vLLM's KV-cache events (its
+    ``--kv-events-config``'s ``endpoint`` as seen from the gateway, e.g. ``tcp://host:5557``,
+    or an ``ipc://`` path on the same machine; ``replay``: its ``replay_endpoint``, to recover
+    missed batches)."""
+
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+    # a block the gateway predicted (it routed the request) that no event confirms within this
+    # long after the request's first token leaves the estimate
+    expire_s: float = Field(2.0, gt=0, le=600)
+
+    @field_validator("endpoint", "replay")
+    @classmethod
+    def _zmq(cls, v: str | None) -> str | None:
+        if v is None or (v.startswith("tcp://") and ":" in v[6:]) or (
+                v.startswith("ipc://") and len(v) > 6):
+            return v
+        raise ValueError(f"must be a ZMQ address tcp://HOST:PORT or ipc://PATH, got {v!r}")
+
+
 class _InstanceIn(_Strict):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
@@ -56,6 +78,7 @@ class _InstanceIn(_Strict):
     speed: float = Field(1.0, gt=0)
     price_usd_per_mtok: Prices | None = None
     snapshot: Literal["auto", "off"] = "auto"
+    kv_events: KvEventsSpec | None = None  # (a bare address: the endpoint)
     # time outside the engine loop until the first token is back (HTTP, tokenisation):
     # added to the engine's forecast; `duetime calibrate` measures it
     request_overhead_ms: float = Field(0.0, ge=0, le=60_000)
@@ -68,6 +91,11 @@ class _InstanceIn(_Strict):
         if not v.startswith(("http://", "https://")) or len(v.split("://", 1)[1]) == 0:
             raise ValueError(f"must be an http(s) URL, got {v!r}")
         return v.rstrip("/")
+
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _kv_events(cls, v: Any) -> Any:
+        return {"endpoint": v} if isinstance(v, str) else v
 
     @field_validator("profile")
     @classmethod
@@ -130,7 +158,10 @@ class PoolSpec(_Strict):
     retries: int = Field(2, ge=0, le=10)
     default_output_tokens: int = Field(256, ge=1)
     aliases: list[str] = [ALIAS_DEFAULT]
-    tokenizer: str | None = None  # a tokenizer.json: exact prompt token counts
+    # a model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja) or a
+    # tokenizer.json: prompts as the token ids vLLM sees (duetime.gateway.prompt_tokens)
+    tokenizer: str | None = None
+    chat_template: str | None = None  # a jinja file: overrides the tokenizer folder's template
     quality: QualitySpec = QualitySpec()
     ttft_target: TargetSpec = TargetSpec()
     state: StateSpec = StateSpec()
@@ -155,6 +186,7 @@ class Instance:
     profile: str | None
     spec: InstanceSpec
     snapshot: str
+    kv_events: KvEventsSpec | None = None  # where it publishes vLLM's KV events, if it does
 
     @property
     def batch_time(self) -> BatchTimeModel:
@@ -199,7 +231,8 @@ class Pool:
     timeouts: TimeoutSpec
     health: HealthSpec
     predictor: str | None = None  # trained predictors (quality, lengths, success), if any
-    tokenizer: str | None = None  # a tokenizer.json for prompt token counts, if any
+    tokenizer: str | None = None  # a tokenizer folder or tokenizer.json, if any
+    chat_template: str | None = None  # a chat template file overriding the folder's, if any
 
     @property
     def models(self) -> list[str]:
@@ -305,7 +338,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                         request_overhead_s=s.request_overhead_ms / 1000.0)
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,
                               None if s.emulate is None else s.emulate.model_dump(), profile,
-                              ispec, s.snapshot))
+                              ispec, s.snapshot, s.kv_events))
 
     models = list(dict.fromkeys(i.model for i in insts))
     clash = sorted(set(spec.aliases) & set(models))
@@ -341,17 +374,23 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         if unknown:
             raise fail("quality.predictor", f"the predictor knows no model(s) {unknown} (it was "
                        f"trained for {', '.join(trained.predictor.models)})")
-    tokenizer = None
+    tokenizer = chat_template = None
+    base = Path(source).parent if Path(source).is_file() else Path.cwd()
+    if spec.chat_template is not None:
+        if spec.tokenizer is None:
+            raise fail("chat_template", "needs a tokenizer (the template's text is encoded "
+                       "with it)")
+        chat_template = str(base / spec.chat_template)  # (an absolute path stays as it is)
+        if not Path(chat_template).is_file():
+            raise fail("chat_template", f"{chat_template}: no such file")
     if spec.tokenizer is not None:
-        from duetime.predict.tokens import HFTokenizer
-        base = Path(source).parent if Path(source).is_file() else Path.cwd()
-        tokenizer = str(Path(spec.tokenizer) if Path(spec.tokenizer).is_absolute()
-                        else base / spec.tokenizer)
-        if not Path(tokenizer).is_file():
-            raise fail("tokenizer", f"{tokenizer}: no such file")
+        from duetime.gateway.prompt_tokens import PromptTokenizer, TokenizerError
+        tokenizer = str(base / spec.tokenizer)
+        if not Path(tokenizer).exists():
+            raise fail("tokenizer", f"{tokenizer}: no such file or folder")
         try:
-            HFTokenizer(tokenizer)
-        except ValueError as e:
+            PromptTokenizer(tokenizer, chat_template)
+        except TokenizerError as e:
             raise fail("tokenizer", str(e)) from None
     t = spec.ttft_target
     if t.min_ms > t.max_ms:
@@ -362,7 +401,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
-                predictor, tokenizer)
+                predictor, tokenizer, chat_template)
 
 
 def _policy(value: str | dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:

@@ -25,8 +25,8 @@ DONE_MEMORY_S = 5.0  # how long a completion is remembered
 class Flight:
     """One upstream attempt, as the gateway observes it."""
 
-    __slots__ = ("dispatched", "first_token", "forecast", "hashes", "id", "predicted",
-                 "prompt_tokens", "shadowed", "tokens")
+    __slots__ = ("cached_tokens", "dispatched", "first_token", "forecast", "hashes", "id",
+                 "predicted", "prompt_tokens", "shadowed", "tokens")
 
     def __init__(self, fid: str, prompt_tokens: int, predicted: int, dispatched: float,
                  forecast: float | None, hashes: Sequence[int] | None = None) -> None:
@@ -39,6 +39,7 @@ class Flight:
         self.first_token: float | None = None
         self.tokens = 0
         self.shadowed = False  # whether it joined the instance's shadow replica
+        self.cached_tokens = 0  # prompt tokens the gateway believed cached there at dispatch
 
 
 class FlightStore(Protocol):

@@ -16,6 +16,8 @@ records (:meth:`dispatch`, :meth:`first_token`, :meth:`progress`, :meth:`complet
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
@@ -23,6 +25,7 @@ from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
 from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.gateway.config import Instance, Pool
+from duetime.gateway.event_cache import EventCache
 from duetime.gateway.health import HealthTracker
 from duetime.gateway.inflight import Flight, FlightStore, InFlight
 from duetime.gateway.metrics import GatewayMetrics
@@ -30,6 +33,8 @@ from duetime.gateway.published import PublishedSnapshots
 from duetime.gateway.scraped import ScrapedMetrics
 from duetime.gateway.shadow import ShadowReplica
 from duetime.policy.base import Candidate
+
+log = logging.getLogger("duetime.gateway")
 
 
 class InstanceState:
@@ -46,14 +51,48 @@ class InstanceState:
         self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
                                    instance.price_output, self)
         self.inflight = InFlight(instance.name, store)
-        self.shadow = ShadowReplica(instance.name, instance.spec, now, pool.state.sync_interval_s)
-        # what cache-aware policies read: the replica's cache, the gateway's estimate of the
-        # instance's (see duetime.gateway.shadow)
-        self.prefix_index = (EngineCacheIndex(self.shadow.engine)
-                             if instance.config.enable_prefix_caching else None)
+        self._sync_interval_s = pool.state.sync_interval_s
+        self._replica(now)
+        # vLLM's KV events, where the instance publishes them: the precise view of its cache
+        self.events = (EventCache(instance.name, instance.kv_events)
+                       if instance.kv_events is not None else None)
         self.published = PublishedSnapshots(None if instance.snapshot == "auto" else False)
         self.scraped = ScrapedMetrics()
         self.health = HealthTracker(instance.name, pool.health.eject_after, metrics)
+
+    def _replica(self, now: float) -> None:
+        """A new shadow replica of the instance as configured now."""
+        self.shadow = ShadowReplica(self.name, self.instance.spec, now, self._sync_interval_s)
+        # what cache-aware policies read: the replica's cache, the gateway's estimate of the
+        # instance's (see duetime.gateway.shadow)
+        self.prefix_index = (EngineCacheIndex(self.shadow.engine)
+                             if self.instance.config.enable_prefix_caching else None)
+
+    def adopt_cache_config(self, info: Mapping[str, int | bool]) -> bool:
+        """The instance reported its KV cache (``vllm:cache_config_info``: block size, KV
+        blocks, prefix caching on or off): where that differs from the pool config, the
+        instance's word wins and the replica is rebuilt — only while nothing is in flight
+        here (returns False then: ask again later). True once settled."""
+        cfg = self.instance.config
+        new = {k: v for k, v in info.items()
+               if k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")
+               and getattr(cfg, k) != v}
+        if not new:
+            return True
+        if len(self.inflight) or not self.shadow.idle:
+            return False
+        try:
+            config = dataclasses.replace(cfg, **new)
+        except ValueError as e:  # (a report the engine cannot run: keep the pool's)
+            log.warning("instance cache config not adopted", extra={"fields": {
+                "instance": self.name, "reported": dict(info), "error": str(e)}})
+            return True
+        log.info("instance cache config adopted", extra={"fields": {
+            "instance": self.name, **{k: v for k, v in new.items()}}})
+        self.instance = dataclasses.replace(
+            self.instance, spec=dataclasses.replace(self.instance.spec, config=config))
+        self._replica(time.monotonic())
+        return True
 
     @property
     def url(self) -> str:
@@ -131,9 +170,32 @@ class InstanceState:
     def refresh(self, now: float) -> None:
         """Bring the shadow replica to ``now`` before a decision that reads snapshots — unless
         a fresh published snapshot will be read instead (the replica catches up at the next
-        refresh that needs it; it moves at every recorded event anyway)."""
+        refresh that needs it; it moves at every recorded event anyway). The KV events
+        received so far correct its cache first."""
+        self._apply_events(now)
         if not self._published_fresh(now):
             self.shadow.refresh(now, self.inflight.flights)
+
+    def _apply_events(self, now: float) -> None:
+        ev = self.events
+        if ev is not None and self.shadow.engine.caching:
+            ev.apply(self.shadow.engine, now)
+
+    @property
+    def cache_source(self) -> str | None:
+        """Where the view of the instance's prefix cache comes from now: ``kv-events`` (its
+        events are live), ``estimated`` (the gateway's own routing), None without caching."""
+        if self.prefix_index is None:
+            return None
+        return "kv-events" if self.events is not None and self.events.live else "estimated"
+
+    def cached_tokens(self, hashes: Sequence[int] | None, prompt_tokens: int) -> int:
+        """Prompt tokens the instance would find cached now, as far as the gateway knows
+        (whole blocks, and never the prompt's last token: vLLM computes that one again)."""
+        if hashes is None or len(hashes) == 0 or self.prefix_index is None:
+            return 0
+        bs = self.instance.config.block_size
+        return min(self.prefix_index.match(hashes), (prompt_tokens - 1) // bs) * bs
 
     # -- what the gateway does and sees ---------------------------------------------------------
 
@@ -141,7 +203,9 @@ class InstanceState:
                  forecast: float | None, hashes: Sequence[int] | None = None) -> Flight:
         """An attempt sent to this instance (``hashes``: its prompt's block keys, with prefix
         caching: its replica caches them)."""
+        self._apply_events(now)
         f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
+        f.cached_tokens = self.cached_tokens(hashes, prompt_tokens)
         self.shadow.add(f, now)
         self.inflight.dispatch(f)
         self.metrics.in_flight.labels(self.name).inc()
@@ -150,6 +214,8 @@ class InstanceState:
     def first_token(self, f: Flight, now: float) -> None:
         self.inflight.first_token(f, now)
         self.shadow.first_token(f, now)
+        if self.events is not None and f.shadowed:
+            self.events.predicted(f.hashes, now)
 
     def progress(self, f: Flight, tokens: int) -> None:
         self.inflight.progress(f, tokens)
@@ -171,5 +237,10 @@ class InstanceState:
                 "publishes_snapshots": self.published.publishes,
                 "running": len(snap.running_table), "waiting": len(snap.waiting_table),
                 "kv_usage": round(self.kv_usage, 4),
+                "prefix_cache": None if self.prefix_index is None else {
+                    "source": self.cache_source,
+                    "block_size": self.instance.config.block_size,
+                    "cached_blocks": self.prefix_index.cached_blocks(),
+                    "kv_events": None if self.events is None else self.events.describe()},
                 "price_usd_per_mtok": {"prompt": self.instance.price_prompt,
                                        "output": self.instance.price_output}}

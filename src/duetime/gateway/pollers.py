@@ -5,7 +5,8 @@ consumes load gauges (or when ``state.source`` pins a source), every
 ``state.scrape_interval_s`` while requests come and every ``state.idle_scrape_interval_s``
 after ``IDLE_AFTER_S`` without any (no decision needs fresh state then, and a quiet gateway
 should stay quiet); a request ends an idle wait at once. An instance that answers 404 is not
-polled again. Every ``health.interval_s`` each instance's ``/health`` is probed.
+polled again. Every ``health.interval_s`` each instance's ``/health`` is probed. Once, at
+start, each instance's KV cache config is read from ``/metrics`` (``vllm:cache_config_info``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from duetime.engine.snapshot import Snapshot, SnapshotError
 from duetime.gateway.config import Pool
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.upstream import Upstream, UpstreamError
+from duetime.serving.cache_info import cache_config_info
 
 log = logging.getLogger("duetime.gateway")
 
@@ -49,6 +51,7 @@ class Pollers:
                 self._tasks.append(loop.create_task(self._poll(s, "/snapshot")))
             if self.metrics:
                 self._tasks.append(loop.create_task(self._poll(s, "/metrics")))
+            self._tasks.append(loop.create_task(self._cache_config(s)))
         self._tasks.append(loop.create_task(self._health_loop()))
 
     async def stop(self) -> None:
@@ -114,6 +117,24 @@ class Pollers:
                     await asyncio.wait_for(self._active.wait(), wait)
             else:
                 await asyncio.sleep(max(0.0, wait))
+
+    async def _cache_config(self, s: InstanceState) -> None:
+        """Read the instance's KV cache config (``vllm:cache_config_info`` on ``/metrics``)
+        until it answers, and have the instance adopt it (:meth:`InstanceState.
+        adopt_cache_config`; retried while requests are in flight there). A server without
+        the metric keeps the pool config's numbers."""
+        interval = self.pool.health.interval_s
+        while True:
+            try:
+                r = await self._upstream().get(s.url + "/metrics", self.pool.health.timeout_s)
+                if r.status != 200:
+                    return
+                info = cache_config_info(r.body.decode(errors="replace"))
+                if not info or s.adopt_cache_config(info):
+                    return
+            except UpstreamError:
+                pass  # not up yet: the health loop reports it
+            await asyncio.sleep(interval)
 
     async def _probe(self, s: InstanceState) -> None:
         try:

@@ -141,6 +141,8 @@ class Relay:
             if flight.forecast is not None and math.isfinite(flight.forecast):
                 headers.append((b"x-duetime-forecast-ttft-ms",
                                 f"{flight.forecast * 1000:.1f}".encode()))
+            if inst.prefix_index is not None:
+                headers.append((b"x-duetime-cached-tokens", str(flight.cached_tokens).encode()))
             if req.stream:
                 out = self._scan(events, st, req, collect=False, inst=inst, flight=flight)
                 await send({"type": "http.response.start", "status": 200,
@@ -259,6 +261,7 @@ class Relay:
             "forecast_ms": None if flight.forecast is None or not math.isfinite(flight.forecast)
             else round(flight.forecast * 1000, 2),
             "target_ms": round(ctl.target_s * 1000, 1),
+            **({} if inst.prefix_index is None else {"cached_tokens": flight.cached_tokens}),
             "e2e_ms": round((time.monotonic() - t0) * 1000, 2),
             **({} if error is None else {"error": error.decode(errors="replace")[:300]})}})
 

@@ -25,6 +25,7 @@ from duetime.estimate.base import KeysByBlockSize
 from duetime.gateway.config import Pool
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.prompt_tokens import PromptTokenizer
 from duetime.gateway.relay import AttemptFailed, Controls, Passthrough, Relay
 from duetime.policy.base import Policy, RoutingRequest
 from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, SUCCESS
@@ -59,10 +60,9 @@ class Router:
         if pool.predictor is not None:
             from duetime.predict.quality_source import Trained
             self.source = Trained(pool.predictor, fallback=table)
-        self.tokenizer = None
+        self.tokenizer: PromptTokenizer | None = None
         if pool.tokenizer is not None:
-            from duetime.predict.tokens import HFTokenizer
-            self.tokenizer = HFTokenizer(pool.tokenizer)
+            self.tokenizer = PromptTokenizer(pool.tokenizer, pool.chat_template)
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
 
@@ -129,18 +129,20 @@ class Router:
         return fit
 
     def count_tokens(self, req: CompletionRequest) -> int:
-        """Prompt tokens: with the pool's tokenizer, a completion's prompt exactly (token ids
-        are counted as given) and chat as 3 + Σ (4 + tokens(content)), the chat template's
-        per-message markers estimated as in the emulator; without one, the estimate."""
+        """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in
+        ``req.token_ids`` for the block keys; :class:`PromptTokenizer`), where it can make
+        them; else the estimate (:mod:`duetime.serving.tokens`)."""
         tok = self.tokenizer
         if tok is None:
             return req.prompt_tokens
-        if req.chat:
-            return 3 + sum(4 + (tok.count(t) if t else 0) for t in prompt_texts(req))
-        prompt = req.body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        return tok.count(prompt) if isinstance(prompt, str) else req.prompt_tokens
+        ids = tok.ids(req)
+        if ids is None:  # (no template, or one the request defeats): contents counted, the
+            if req.chat:  # template's markers estimated as in the emulator
+                return 3 + sum(4 + (len(tok.encode(t, special=False)) if t else 0)
+                               for t in prompt_texts(req))
+            return req.prompt_tokens
+        req.token_ids = ids
+        return max(1, len(ids))
 
     def predict(self, req: CompletionRequest,
                 ctl: Controls) -> tuple[dict | None, dict | None, dict | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from duetime.emulator import Emulator, create_app
 from duetime.engine.profiles import load_profile
@@ -46,8 +47,10 @@ class Service:
                 opts = self.options.get(inst.name)
                 if opts is None:
                     continue
-                emu = opts.emulator(load_profile(inst.profile),  # type: ignore[arg-type]
-                                    inst.served_model)
+                # the profile's own timing (the emulator applies its speed) with the
+                # instance's limits (its ``config:`` overrides included)
+                profile = load_profile(inst.profile)  # type: ignore[arg-type]
+                emu = opts.emulator(replace(profile, config=inst.config), inst.served_model)
                 server = await AppServer(create_app(emu), host="127.0.0.1", port=0).start()
                 self.emulators[inst.name] = emu
                 self.emulator_servers[inst.name] = server

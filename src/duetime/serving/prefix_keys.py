@@ -5,7 +5,9 @@ its tokens chained to the previous block's key, so two requests share a block ex
 their tokens agree up to its end. The servers here have no tokenizer, so they key blocks the
 way they estimate prompt lengths (:mod:`duetime.serving.tokens`):
 
-* a prompt of token ids: the ids, ``block_size`` per block (exact, as vLLM);
+* a prompt of token ids, or one a tokenizer turned into them (``CompletionRequest.token_ids``:
+  the gateway's :mod:`~duetime.gateway.prompt_tokens`): the ids, ``block_size`` per block
+  (exact, as vLLM);
 * a text prompt, or chat messages: the prompt's text, ``block_size * CHARS_PER_TOKEN``
   characters per block (64 characters stand in for 16 tokens). Chat messages are rendered in
   order as ``<|role|>\\n`` + content + ``\\n``, then the generation prompt ``<|assistant|>\\n``;
@@ -42,8 +44,12 @@ def _key(parent: bytes, kind: bytes, content: bytes) -> tuple[int, bytes]:
     return int.from_bytes(d, "little", signed=True), d
 
 
-def _chain(blocks: Sequence[bytes], kind: bytes, salt: str | None) -> list[int]:
-    parent = b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=8).digest()
+def _chain(blocks: Sequence[bytes], kind: bytes, salt: str | None,
+           parent_key: int | None = None) -> list[int]:
+    if parent_key is not None:
+        parent = parent_key.to_bytes(8, "little", signed=True)
+    else:
+        parent = b"" if salt is None else hashlib.blake2b(salt.encode(), digest_size=8).digest()
     out = []
     for content in blocks:
         key, parent = _key(parent, kind, content)
@@ -52,8 +58,10 @@ def _chain(blocks: Sequence[bytes], kind: bytes, salt: str | None) -> list[int]:
 
 
 def token_block_keys(ids: Sequence[int], block_size: int, *, salt: str | None = None,
-                     limit: int | None = None) -> list[int]:
-    """Chained keys of the full blocks of a prompt of token ids (at most ``limit``)."""
+                     limit: int | None = None, parent: int | None = None) -> list[int]:
+    """Chained keys of the full blocks of a prompt of token ids (at most ``limit``); with
+    ``parent`` (a key this function returned), the keys of blocks that follow that block
+    (what a KV event's stored blocks chain to)."""
     n = len(ids) // block_size
     if limit is not None:
         n = min(n, limit)
@@ -66,7 +74,7 @@ def token_block_keys(ids: Sequence[int], block_size: int, *, salt: str | None = 
     except (OverflowError, TypeError):  # ids past int64 (no tokenizer has them): by digits
         blocks = [",".join(map(str, ids[i * block_size:(i + 1) * block_size])).encode()
                   for i in range(n)]
-    return _chain(blocks, _TOKENS, salt)
+    return _chain(blocks, _TOKENS, salt, parent)
 
 
 def text_block_keys(text: str, block_size: int, *, salt: str | None = None,
@@ -104,6 +112,8 @@ def prompt_block_keys(req: CompletionRequest, block_size: int) -> list[int]:
     salt = body.get("cache_salt")
     salt = salt if isinstance(salt, str) and salt else None
     limit = req.prompt_tokens // block_size
+    if req.token_ids is not None:  # the server's own tokens (the gateway's tokenizer)
+        return token_block_keys(req.token_ids, block_size, salt=salt, limit=limit)
     if req.chat:
         return text_block_keys(chat_text(body.get("messages") or []), block_size, salt=salt,
                                limit=limit)

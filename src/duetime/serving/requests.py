@@ -24,6 +24,8 @@ class CompletionRequest:
     max_tokens: int | None = None
     ignore_eos: bool = False
     body: dict[str, Any] = field(default_factory=dict)
+    # the prompt's token ids, where the gateway's tokenizer made them (as the server will)
+    token_ids: list[int] | None = None
 
 
 def parse_json(raw: bytes) -> Any:

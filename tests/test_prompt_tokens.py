@@ -1,0 +1,147 @@
+"""The gateway's prompt tokenizer: chat requests rendered by the model's template and encoded
+as vLLM does (the e2e suite checks the same against a real vLLM's ``/tokenize``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from duetime.gateway.prompt_tokens import PromptTokenizer, TokenizerError
+from duetime.serving.prefix_keys import prompt_block_keys, token_block_keys
+from duetime.serving.requests import parse_completion
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+STRICT = ("{% for m in messages %}{% if m['role'] == 'tool' %}"
+          "{{ raise_exception('no tools here') }}{% endif %}{{ m['content'] }}{% endfor %}")
+
+
+def make_folder(path, template=CHATML, *, jinja_file=False, bos=False):
+    """A tokenizer folder as transformers saves one: a byte-level BPE over a small corpus with
+    the ChatML markers as special tokens, and the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 50,
+                            trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>"}}
+    if jinja_file:
+        (path / "chat_template.jinja").write_text(template)
+    elif template is not None:
+        config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path, tok
+
+
+def chat(**body):
+    return parse_completion(json.dumps(body).encode(), chat=True)
+
+
+def test_chat_is_rendered_by_the_template_and_encoded_without_special_tokens(tmp_path):
+    folder, tok = make_folder(tmp_path / "m", bos=True)
+    pt = PromptTokenizer(folder)
+    msgs = [{"role": "system", "content": "the lazy dog"},
+            {"role": "user", "content": "hello world"}]
+    text = ("<|im_start|>system\nthe lazy dog<|im_end|>\n<|im_start|>user\nhello world"
+            "<|im_end|>\n<|im_start|>assistant\n")
+    assert pt.render({"messages": msgs}) == text
+    ids = pt.ids(chat(messages=msgs))
+    assert ids == tok.encode(text, add_special_tokens=False).ids
+    assert ids[0] == tok.token_to_id("<|im_start|>")  # the markers are single tokens
+    # add_generation_prompt false drops the assistant header; add_special_tokens adds the BOS
+    assert pt.render({"messages": msgs, "add_generation_prompt": False}) == text[:-len(
+        "<|im_start|>assistant\n")]
+    assert pt.ids(chat(messages=msgs, add_special_tokens=True))[0] == tok.token_to_id("<s>")
+
+
+def test_completions_add_special_tokens_and_token_ids_pass(tmp_path):
+    folder, tok = make_folder(tmp_path / "m", bos=True)
+    pt = PromptTokenizer(folder / "tokenizer.json")  # (the file; its folder's config found)
+    assert pt.has_template
+    req = parse_completion(json.dumps({"prompt": "hello world"}).encode(), chat=False)
+    assert pt.ids(req) == tok.encode("hello world").ids
+    assert pt.ids(req)[0] == tok.token_to_id("<s>")
+    req = parse_completion(json.dumps({"prompt": [[5, 6, 7]]}).encode(), chat=False)
+    assert pt.ids(req) == [5, 6, 7]
+
+
+def test_what_vllm_changes_before_rendering(tmp_path):
+    """Text parts joined by newlines, ``developer`` as ``system`` unless the template names it;
+    images, a request's own template and a template's refusal give None (the estimate)."""
+    folder, _ = make_folder(tmp_path / "m")
+    pt = PromptTokenizer(folder)
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    assert pt.render({"messages": [{"role": "user", "content": parts}]}).startswith(
+        "<|im_start|>user\nhello\nworld<|im_end|>")
+    assert pt.render({"messages": [{"role": "developer", "content": "x"}]}).startswith(
+        "<|im_start|>system\nx")
+    named = PromptTokenizer(make_folder(tmp_path / "d", CHATML + "{# 'developer' #}")[0])
+    assert named.render({"messages": [{"role": "developer", "content": "x"}]}).startswith(
+        "<|im_start|>developer\nx")
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    assert pt.render({"messages": [{"role": "user", "content": image}]}) is None
+    assert pt.render({"messages": [{"role": "user", "content": "x"}],
+                      "chat_template": "{{ 1 }}"}) is None
+    strict = PromptTokenizer(make_folder(tmp_path / "s", STRICT)[0])
+    assert strict.render({"messages": [{"role": "user", "content": "a"}]}) == "a"
+    assert strict.render({"messages": [{"role": "tool", "content": "a"}]}) is None
+
+
+def test_template_sources(tmp_path):
+    """chat_template.jinja wins over tokenizer_config.json; a list of named templates gives the
+    default one; an explicit file overrides both; a broken template is a TokenizerError."""
+    folder, _ = make_folder(tmp_path / "j", "J{{ messages[0]['content'] }}", jinja_file=True)
+    assert PromptTokenizer(folder).render({"messages": [{"role": "user", "content": "x"}]}) \
+        == "Jx"
+    folder, _ = make_folder(tmp_path / "l", [{"name": "tool_use", "template": "T"},
+                                             {"name": "default", "template": "D"}])
+    assert PromptTokenizer(folder).render({"messages": [{"role": "user", "content": "x"}]}) \
+        == "D"
+    (tmp_path / "o.jinja").write_text("O{{ eos_token }}{{ pad_token }}")
+    over = PromptTokenizer(folder, tmp_path / "o.jinja")
+    assert over.render({"messages": [{"role": "user", "content": "x"}]}) \
+        == "O<|im_end|><|endoftext|>"
+    none, _ = make_folder(tmp_path / "n", None)
+    assert not PromptTokenizer(none).has_template
+    with pytest.raises(TokenizerError, match="does not compile"):
+        PromptTokenizer(make_folder(tmp_path / "b", "{% for %}")[0])
+    with pytest.raises(TokenizerError, match=r"not a tokenizer\.json"):
+        PromptTokenizer(tmp_path / "o.jinja")
+
+
+def test_the_gateway_keys_blocks_by_the_servers_tokens(tmp_path):
+    """With a tokenizer folder in the pool, the gateway counts a chat prompt as its token ids
+    and keys its blocks by them, so a conversation's next turn starts with the blocks of the
+    turn before."""
+    from duetime.gateway.app import Gateway
+    from duetime.gateway.config import pool_from_dict
+
+    folder, tok = make_folder(tmp_path / "m")
+    pool = pool_from_dict({"instances": [{"name": "s", "model": "qwen3-0.6b", "url": "http://h",
+                                          "profile": "qwen3-0.6b"}],
+                           "tokenizer": str(folder)})
+    router = Gateway(pool).router
+    first = [{"role": "user", "content": "the quick brown fox " * 20}]
+    req = chat(messages=first)
+    n = router.count_tokens(req)
+    text = PromptTokenizer(folder).render({"messages": first})
+    assert req.token_ids == tok.encode(text, add_special_tokens=False).ids and n == len(
+        req.token_ids)
+    keys = prompt_block_keys(req, 16)
+    assert keys == token_block_keys(req.token_ids, 16) and len(keys) == n // 16
+    second = chat(messages=[*first, {"role": "assistant", "content": "the lazy dog"},
+                            {"role": "user", "content": "hello world"}])
+    router.count_tokens(second)
+    assert prompt_block_keys(second, 16)[:len(keys)] == keys
