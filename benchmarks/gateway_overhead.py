@@ -20,6 +20,12 @@ compare columns within one run.
     python benchmarks/gateway_overhead.py [--requests N] [--speed X] [--policy NAME]
                                           [--litellm PATH/TO/litellm] [--also NAME=PYTHON]
 
+``--tokenizer DIR`` (a model folder: tokenizer.json, tokenizer_config.json, its chat template;
+default the e2e suite's ``.cache/vllm-models/tiny-small`` when built) first measures, in this
+process, what the gateway's exact prompt tokens cost per request (the chat template rendered
+with jinja2, the text encoded, the block keys chained) against the estimate, for a short chat
+and a long conversation.
+
 ``--also before=../base/.venv/bin/python`` adds another duetime gateway, run by that
 interpreter (another checkout's virtual environment), as one more path of the same run: the
 way to compare two versions of duetime side by side.
@@ -210,6 +216,45 @@ def _default_litellm() -> str | None:
     return None
 
 
+def tokenizer_cost(folder: str, reps: int = 2000) -> None:
+    """µs per request of the gateway's prompt counting and block keys, with the pool's
+    tokenizer and without (the estimate), for a short chat and an 8-turn conversation."""
+    from duetime.gateway.prompt_tokens import PromptTokenizer
+    from duetime.serving.prefix_keys import prompt_block_keys
+    from duetime.serving.requests import parse_completion
+
+    tok = PromptTokenizer(folder)
+    text = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "
+            "quiet harbours")
+    words = text.split(" ")
+    long = [{"role": "system", "content": " ".join(words * 20)}]
+    for k in range(8):
+        long.append({"role": "user" if k % 2 == 0 else "assistant",
+                     "content": " ".join(words[k:] * 6)})
+    bodies = {"short chat": json.loads(BODY), "8-turn chat": {"model": MODEL, "messages": long}}
+    print(f"prompt tokens per request, µs (median of {reps}; tokenizer {folder})")
+    print(f"{'request':>12}  {'tokens':>6}  {'estimate':>8}  {'tokenizer':>9}  {'ratio':>5}")
+    for name, body in bodies.items():
+        raw = json.dumps(body).encode()
+        times = {}
+        n = 0
+        for mode in ("estimate", "tokenizer"):
+            xs = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                req = parse_completion(raw, chat=True)
+                if mode == "tokenizer":
+                    req.token_ids = tok.ids(req)
+                    req.prompt_tokens = len(req.token_ids)
+                prompt_block_keys(req, 16)
+                xs.append(time.perf_counter() - t)
+            times[mode] = statistics.median(xs) * 1e6
+            n = req.prompt_tokens
+        print(f"{name:>12}  {n:>6}  {times['estimate']:>8.1f}  {times['tokenizer']:>9.1f}  "
+              f"{times['tokenizer'] / times['estimate']:>5.1f}")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=600, help="requests per path and "
@@ -224,7 +269,19 @@ def main() -> None:
     ap.add_argument("--also", action="append", default=[], metavar="NAME=PYTHON",
                     help="one more duetime gateway, run by PYTHON (another checkout's venv), "
                     "as path NAME (repeatable)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="a model folder whose tokenizer and chat template to time first "
+                    "(default: .cache/vllm-models/tiny-small if built)")
+    ap.add_argument("--tokenizer-only", action="store_true",
+                    help="only the tokenizer's cost (no servers)")
     args = ap.parse_args()
+    folder = args.tokenizer
+    if folder is None and (REPO / ".cache/vllm-models/tiny-small/tokenizer.json").is_file():
+        folder = str(REPO / ".cache/vllm-models/tiny-small")
+    if folder is not None:
+        tokenizer_cost(folder)
+    if args.tokenizer_only:
+        return
     also = []
     for item in args.also:
         name, sep, python = item.partition("=")

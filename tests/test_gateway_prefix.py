@@ -132,3 +132,29 @@ def test_the_gateway_sizes_its_view_from_the_instances_cache_config() -> None:
     assert ok and (cfg.block_size, cfg.enable_prefix_caching) == (32, True)
     assert inst.shadow.engine.config.num_gpu_blocks == 300 and inst.prefix_index is not None
     assert r.status_code == 200
+
+
+def test_adopting_the_cache_config_keeps_the_requests_in_flight() -> None:
+    """Adopted while requests are in flight: the rebuilt replica holds them again (the
+    running one as running), with the instance's numbers."""
+    import time
+
+    from duetime.gateway import InstanceState, MemoryStore
+    from duetime.gateway.config import pool_from_dict as gateway_pool
+    from duetime.gateway.metrics import GatewayMetrics
+    from test_gateway import PRICE
+
+    pool = gateway_pool({"instances": [{"name": "u", "model": "qwen3-0.6b", "url": "http://h",
+                                        "profile": "qwen3-0.6b", "price_usd_per_mtok": PRICE}]})
+    now = time.monotonic()
+    inst = InstanceState(pool.instances[0], pool, GatewayMetrics(), MemoryStore(), now)
+    a = inst.dispatch("a", 500, 10, now, None)
+    inst.dispatch("b", 300, 10, now, None)
+    a.tokens = 1
+    inst.first_token(a, now)
+    assert inst.adopt_cache_config({"num_gpu_blocks": 900, "block_size": 32,
+                                    "enable_prefix_caching": True})
+    assert not inst.adopt_cache_config({"num_gpu_blocks": 900})  # (nothing new)
+    eng = inst.shadow.engine
+    assert eng.config.num_gpu_blocks == 900 and eng.caching and inst.prefix_index is not None
+    assert eng.running_ids() == ["a"] and eng.waiting_ids() == ["b"]

@@ -43,6 +43,7 @@ def instance_config(server: Any, name: str | None = None, **overrides: Any) -> d
             "max_model_len": server.max_model_len,
             "block_size": server.block_size,
             "num_gpu_blocks": server.num_gpu_blocks,
+            "enable_prefix_caching": server.enable_prefix_caching,
             "long_prefill_token_threshold": 0,
         },
         "price_usd_per_mtok": dict(PRICE),

@@ -138,8 +138,8 @@ def test_the_hit_estimate_matches_vllms_count(vllm_pool, servers, source) -> Non
           f"(hits_total delta {delta:.0f}); exact per request {exact}/{len(rows)}")
     assert got > 0 and delta == got  # (vLLM's two counts agree; nothing else ran)
     assert abs(est - got) <= (0.02 if source == "kv-events" else 0.10) * got, rows
-    sources = {i["prefix_cache"]["source"] for i in described}
-    assert sources == {source}
+    served = {r["instance"] for r in rows}  # (one that got nothing has published no event)
+    assert {i["prefix_cache"]["source"] for i in described if i["name"] in served} == {source}
 
 
 def test_a_turn_stays_where_its_prefix_is_cached_while_the_forecast_allows(vllm_pool) -> None:
@@ -150,7 +150,7 @@ def test_a_turn_stays_where_its_prefix_is_cached_while_the_forecast_allows(vllm_
     could not meet it)."""
     with running_gateway(pool_config(vllm_pool)) as gw, \
             httpx.Client(base_url=gw.url, timeout=TIMEOUT) as c:
-        system = {"role": "system", "content": _words(700)}
+        system = {"role": "system", "content": _words(250)}
         first = [system, {"role": "user", "content": _words(20)}]
         r1 = c.post("/v1/chat/completions", json={"model": "tiny-large", "messages": first,
                                                   "max_tokens": 4, **GREEDY})
@@ -161,7 +161,7 @@ def test_a_turn_stays_where_its_prefix_is_cached_while_the_forecast_allows(vllm_
             "content"]}, {"role": "user", "content": _words(20)}]
         r2 = c.post("/v1/chat/completions", headers=target, json={
             "model": "auto", "messages": second, "max_tokens": 4, **GREEDY})
-        other = [{"role": "system", "content": _words(700)},
+        other = [{"role": "system", "content": _words(250)},
                  {"role": "user", "content": _words(60)}]
         r3 = c.post("/v1/chat/completions", headers=target, json={
             "model": "auto", "messages": other, "max_tokens": 4, **GREEDY})

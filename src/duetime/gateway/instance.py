@@ -71,27 +71,33 @@ class InstanceState:
     def adopt_cache_config(self, info: Mapping[str, int | bool]) -> bool:
         """The instance reported its KV cache (``vllm:cache_config_info``: block size, KV
         blocks, prefix caching on or off): where that differs from the pool config, the
-        instance's word wins and the replica is rebuilt — only while nothing is in flight
-        here (returns False then: ask again later). True once settled."""
+        instance's word wins and the replica is rebuilt, with the requests in flight joining
+        it again. Returns whether anything changed."""
         cfg = self.instance.config
         new = {k: v for k, v in info.items()
                if k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")
                and getattr(cfg, k) != v}
         if not new:
-            return True
-        if len(self.inflight) or not self.shadow.idle:
             return False
         try:
             config = dataclasses.replace(cfg, **new)
         except ValueError as e:  # (a report the engine cannot run: keep the pool's)
             log.warning("instance cache config not adopted", extra={"fields": {
                 "instance": self.name, "reported": dict(info), "error": str(e)}})
-            return True
+            return False
         log.info("instance cache config adopted", extra={"fields": {
-            "instance": self.name, **{k: v for k, v in new.items()}}})
+            "instance": self.name, **new}})
         self.instance = dataclasses.replace(
             self.instance, spec=dataclasses.replace(self.instance.spec, config=config))
-        self._replica(time.monotonic())
+        now = time.monotonic()
+        self._replica(now)
+        for f in self.inflight.flights.values():  # (in dispatch order)
+            f.shadowed = False
+            if "block_size" in new or not config.enable_prefix_caching:
+                f.hashes = None  # (keyed at the old block size)
+            self.shadow.add(f, now)
+            if f.first_token is not None:
+                self.shadow.first_token(f, now)
         return True
 
     @property

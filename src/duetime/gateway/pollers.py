@@ -120,21 +120,17 @@ class Pollers:
 
     async def _cache_config(self, s: InstanceState) -> None:
         """Read the instance's KV cache config (``vllm:cache_config_info`` on ``/metrics``)
-        until it answers, and have the instance adopt it (:meth:`InstanceState.
-        adopt_cache_config`; retried while requests are in flight there). A server without
-        the metric keeps the pool config's numbers."""
-        interval = self.pool.health.interval_s
+        once it answers, and have the instance adopt it (:meth:`InstanceState.
+        adopt_cache_config`). A server without the metric keeps the pool config's numbers."""
         while True:
             try:
                 r = await self._upstream().get(s.url + "/metrics", self.pool.health.timeout_s)
-                if r.status != 200:
-                    return
-                info = cache_config_info(r.body.decode(errors="replace"))
-                if not info or s.adopt_cache_config(info):
-                    return
+                if r.status == 200:
+                    s.adopt_cache_config(cache_config_info(r.body.decode(errors="replace")))
+                return
             except UpstreamError:
                 pass  # not up yet: the health loop reports it
-            await asyncio.sleep(interval)
+            await asyncio.sleep(self.pool.health.interval_s)
 
     async def _probe(self, s: InstanceState) -> None:
         try:

@@ -85,7 +85,8 @@ class ShadowReplica:
             self._advance(now)
         eng.add(flight.id, flight.prompt_tokens, eng.config.max_model_len,
                 predicted_output_tokens=flight.predicted, arrival=now,
-                hashes=flight.hashes if eng.caching else None)
+                hashes=(() if flight.hashes is None else flight.hashes) if eng.caching
+                else None)
         flight.shadowed = True
 
     def first_token(self, flight: Flight, now: float) -> None:
