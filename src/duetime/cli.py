@@ -374,7 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     from duetime.service.cli import add_commands as add_gateway_commands
     add_gateway_commands(sub, command, CliError)
     from duetime.calibrate.cli import add_commands as add_calibrate_commands
+    from duetime.calibrate.cli import add_validate_command
     add_calibrate_commands(sub, command, CliError)
+    add_validate_command(sub, command, CliError)
     return parser
 
 

@@ -94,3 +94,167 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt seed (default 0)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the YAML here")
 
+
+
+def _load_profile_arg(value: str, model: str, error: type[Exception]) -> Any:
+    """``--profile``: a built-in profile name, or a YAML file with a pool instance entry's
+    ``batch_time`` / ``config`` / ``request_overhead_ms`` (what ``duetime calibrate --out``
+    writes), or a ``profile:`` name with overrides."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import yaml
+
+    from duetime.engine.spec import resolve_spec
+
+    path = Path(value)
+    if not path.is_file():
+        try:
+            return resolve_spec(model, profile=value, where="--profile")
+        except ValueError as e:
+            raise error(str(e)) from None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise error(f"{value}: cannot read a profile YAML ({' '.join(str(e).split())})"
+                    ) from None
+    if not isinstance(data, dict):
+        raise error(f"{value}: must be a mapping (batch_time, config, request_overhead_ms)")
+    try:
+        spec = resolve_spec(model, profile=data.get("profile"), batch_time=data.get(
+            "batch_time"), config=data.get("config"), where=value)
+        overhead = float(data.get("request_overhead_ms", 0.0))
+    except (TypeError, ValueError) as e:
+        raise error(str(e)) from None
+    return replace(spec, request_overhead_s=overhead / 1000.0)
+
+
+def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
+    import sys
+    from pathlib import Path
+
+    import aiohttp
+
+    from duetime.calibrate.validation import (
+        ARRIVALS,
+        Client,
+        Mix,
+        ValidationError,
+        measure_capacity,
+        replay,
+        run_trace,
+        trace,
+    )
+    from duetime.calibrate.validation_report import summarize, write
+
+    if not args.url.startswith(("http://", "https://")):
+        raise error(f"URL must be an http(s) URL, got {args.url!r}")
+    spec = _load_profile_arg(args.profile, args.model, error)
+    if args.speed != 1.0:
+        spec = spec.scaled(args.speed)
+    arrivals = ARRIVALS if args.arrivals == "both" else (args.arrivals,)
+    try:
+        loads = [float(x) for x in args.loads.split(",")]
+    except ValueError:
+        raise error(f"--loads: a comma-separated list of fractions, got {args.loads!r}"
+                    ) from None
+    if not loads or any(not 0 < x <= 2 for x in loads):
+        raise error(f"--loads: fractions of capacity in (0, 2], got {args.loads!r}")
+    cfg = spec.config
+    max_prompt = min(args.max_prompt, cfg.max_model_len - args.max_output - 1)
+    if max_prompt < args.min_prompt:
+        raise error(f"--max-prompt: the instance holds at most {cfg.max_model_len} tokens")
+    mix = Mix(args.min_prompt, max_prompt, args.min_output, args.max_output)
+    clients = args.capacity_clients or min(cfg.max_num_seqs, 64)
+    cap_requests = args.capacity_requests or 3 * clients
+    say = (lambda m: None) if args.quiet else (lambda m: print(f"duetime validate: {m}",
+                                                                file=sys.stderr))
+
+    async def go() -> tuple[float, list]:
+        timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            client = Client(args.url.rstrip("/"), args.model, session, args.seed)
+            await client.token_ids()
+            say(f"measuring capacity ({clients} clients, {cap_requests} requests)")
+            cap = await measure_capacity(client, mix, clients, cap_requests, args.seed)
+            say(f"capacity {cap:.2f} requests/s")
+            recs = []
+            for k, load in enumerate(loads):
+                for j, arr in enumerate(arrivals):
+                    seed = args.seed * 1000 + 10 * k + j
+                    run = trace(load, cap, arr, args.requests, mix, seed)
+                    say(f"load {load:g} ({load * cap:.2f}/s), {arr}: {len(run)} requests")
+                    await run_trace(client, run, seed)
+                    await asyncio.sleep(args.pause)
+                    recs.extend(run)
+            return cap, recs
+
+    try:
+        cap, recs = asyncio.run(go())
+    except ValidationError as e:
+        raise error(str(e)) from None
+    except OSError as e:
+        raise error(f"{args.url}: {e}") from None
+    for arr in arrivals:  # (each run is its own trace: replayed on its own)
+        for load in loads:
+            replay([r for r in recs if r.load == load and r.arrivals == arr], spec)
+    meta = {"url": args.url, "model": args.model, "profile": args.profile,
+            "speed": args.speed, "capacity_rps": cap, "capacity_clients": clients,
+            "loads": loads, "arrivals": list(arrivals), "requests_per_run": args.requests,
+            "seed": args.seed, "mix": {"min_prompt": mix.min_prompt,
+                                       "max_prompt": mix.max_prompt,
+                                       "min_output": mix.min_output,
+                                       "max_output": mix.max_output}}
+    summary = summarize(recs, meta)
+    command = "duetime validate " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""
+    out = Path(args.out)
+    try:
+        write(out, recs, summary, command)
+    except OSError as e:
+        raise error(f"{out}: cannot write: {e.strerror or e}") from None
+    print(f"duetime validate: TTFT |error| median {summary['ttft_median_abs_pct_error']:.1%}, "
+          f"p90 {summary['ttft_p90_abs_pct_error']:.1%} over {summary['requests']} requests "
+          f"({summary['failed']} failed); wrote {out}/report.md")
+    return 0
+
+
+def add_validate_command(sub: Any, command: Any, error: type[Exception]) -> None:
+    """Register ``validate`` on the ``duetime`` parser tree."""
+    p = command("validate", lambda a: _cmd_validate(a, error),
+                "measure how closely the engine model predicts a running server",
+                "Drive one OpenAI-compatible server directly (no gateway) with a seeded "
+                "workload at several loads (fractions of its capacity, measured first with a "
+                "closed loop), record every request's timeline, replay the same trace through "
+                "the engine with the instance's profile, and report the TTFT and end-to-end "
+                "errors per load: report.md, results.csv, summary.json and PNGs in --out. "
+                "Token-id prompts on /v1/completions, streamed, ignore_eos.")
+    p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8001")
+    p.add_argument("--model", required=True, metavar="NAME", help="the served model name")
+    p.add_argument("--profile", required=True, metavar="NAME_OR_FILE",
+                   help="a built-in engine profile, or a YAML file with batch_time, config "
+                   "and request_overhead_ms (what `duetime calibrate --out` writes)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where to write the report")
+    p.add_argument("--loads", default="0.25,0.5,0.75", metavar="F,F,...",
+                   help="loads as fractions of the measured capacity (default 0.25,0.5,0.75)")
+    p.add_argument("--arrivals", choices=("poisson", "bursty", "both"), default="poisson",
+                   help="arrival process (bursty: a two-state MMPP, same mean; default "
+                   "poisson)")
+    p.add_argument("--requests", type=positive_int, default=100, metavar="N",
+                   help="requests per load and arrival process (default 100)")
+    p.add_argument("--min-prompt", type=positive_int, default=16, metavar="N")
+    p.add_argument("--max-prompt", type=positive_int, default=1500, metavar="N")
+    p.add_argument("--min-output", type=positive_int, default=8, metavar="N")
+    p.add_argument("--max-output", type=positive_int, default=128, metavar="N")
+    p.add_argument("--capacity-clients", type=positive_int, default=None, metavar="N",
+                   help="closed-loop clients of the capacity run (default: the profile's "
+                   "max_num_seqs, at most 64)")
+    p.add_argument("--capacity-requests", type=positive_int, default=None, metavar="N",
+                   help="requests of the capacity run (default: 3 per client)")
+    p.add_argument("--speed", type=float, default=1.0, metavar="X",
+                   help="the server runs this many times faster than the profile (an "
+                   "emulator's --speed)")
+    p.add_argument("--pause", type=float, default=1.0, metavar="S",
+                   help="idle seconds between runs (default 1)")
+    p.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
+    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")

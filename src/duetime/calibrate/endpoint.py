@@ -39,7 +39,7 @@ from duetime.serving.cache_info import cache_config_info
 
 # A text whose tokenisation gives the probes' token ids: any model's tokenizer splits it into
 # ordinary tokens (no special ids, nothing the server rejects).
-_SEED_TEXT = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "
+SEED_TEXT = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "
               "quiet harbours under grey northern skies and merchants count silver coins "
               "beside wooden crates of apples pears and plums ")
 
@@ -129,7 +129,7 @@ class _Prober:
     async def token_ids(self) -> None:
         """Token ids to build prompts from, from the server's own tokenizer (``/tokenize``)."""
         async with self.session.post(f"{self.url}/tokenize",
-                                     json={"model": self.model, "prompt": _SEED_TEXT}) as r:
+                                     json={"model": self.model, "prompt": SEED_TEXT}) as r:
             if r.status != 200:
                 raise CalibrationError(f"{self.url}/tokenize answered {r.status}: "
                                        f"{(await r.text())[:200]}")

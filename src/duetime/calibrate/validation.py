@@ -1,0 +1,238 @@
+"""``duetime validate``: how closely the engine model predicts a real server, measured.
+
+The harness drives one OpenAI-compatible endpoint directly (no gateway) and then replays what
+it did through duetime's engine:
+
+1. **Capacity.** A short closed loop (``max_num_seqs`` clients, each sending the next request
+   of the mix when its last one ends) measures the requests per second the server sustains
+   on this workload.
+2. **Loads.** For each load (a fraction of that capacity) and each arrival process (Poisson,
+   or bursty: a two-state MMPP with the same mean), a seeded trace: prompt lengths
+   log-uniform over ``[min_prompt, max_prompt]`` (random token ids from the server's own
+   tokenizer, new for every request, so no prefix-cache hit), output lengths uniform over
+   ``[min_output, max_output]`` with ``ignore_eos`` (the server stops at exactly that many).
+   Every request is streamed with usage (``continuous_usage_stats`` where vLLM has it), and its
+   timeline recorded: send, first token, each chunk, finish, token counts.
+3. **Replay.** The trace — each request at its observed send time, with its observed prompt
+   and output tokens — runs through the engine with the instance's profile (batch-time model,
+   scheduler config, per-request overhead). A request's predicted TTFT is its first-token
+   stamp minus its send time plus the overhead; its end-to-end latency likewise.
+
+Errors are per request, relative to the observed value (``predicted / observed - 1``); the
+report gives their absolute median, mean (MAPE) and 90th percentile per load and pooled. Against
+the emulator (the same engine in real time) the error is the HTTP path's few milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+from duetime.engine.compiled import Engine
+from duetime.engine.spec import InstanceSpec
+from duetime.workload.arrivals import MMPP2, Poisson
+
+ARRIVALS = ("poisson", "bursty")
+
+
+class ValidationError(RuntimeError):
+    """The endpoint could not be driven (it refused the workload, or answered nothing)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mix:
+    """The request mix: prompt and output length ranges (tokens)."""
+
+    min_prompt: int = 16
+    max_prompt: int = 1500
+    min_output: int = 8
+    max_output: int = 128
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        lo, hi = math.log(self.min_prompt), math.log(self.max_prompt)
+        return (round(math.exp(rng.uniform(lo, hi))),
+                rng.randint(self.min_output, self.max_output))
+
+
+@dataclass(slots=True)
+class Record:
+    """One request as the client saw it (times in seconds from the start of its run)."""
+
+    id: str
+    load: float
+    arrivals: str
+    sent: float
+    prompt_tokens: int
+    max_tokens: int
+    first_token: float = math.nan
+    finished: float = math.nan
+    output_tokens: int = 0
+    chunks: int = 0
+    error: str | None = None
+    predicted_ttft: float = math.nan
+    predicted_e2e: float = math.nan
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.finished - self.sent
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and math.isfinite(self.first_token) and math.isfinite(
+            self.finished)
+
+
+@dataclass
+class Client:
+    """Sends the workload's requests to ``url`` (``/v1/completions``, token-id prompts)."""
+
+    url: str
+    model: str
+    session: aiohttp.ClientSession
+    seed: int = 0
+    ids: list[int] = field(default_factory=list)
+
+    async def token_ids(self) -> None:
+        """Ordinary token ids of the server's own tokenizer (``/tokenize`` of a plain text);
+        without ``/tokenize`` (not vLLM), small ids."""
+        from duetime.calibrate.endpoint import SEED_TEXT
+
+        try:
+            async with self.session.post(f"{self.url}/tokenize", json={
+                    "model": self.model, "prompt": SEED_TEXT}) as r:
+                body = await r.json() if r.status == 200 else {}
+        except (aiohttp.ClientError, ValueError):
+            body = {}
+        self.ids = sorted(set(body.get("tokens") or [])) or list(range(100, 400))
+
+    async def send(self, rec: Record, t0: float, rng: random.Random) -> None:
+        """Send ``rec`` (at ``t0 + rec.sent``) and record its timeline."""
+        prompt = [rng.choice(self.ids) for _ in range(rec.prompt_tokens)]
+        body = {"model": self.model, "prompt": prompt, "max_tokens": rec.max_tokens,
+                "ignore_eos": True, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        await asyncio.sleep(max(0.0, t0 + rec.sent - time.monotonic()))
+        rec.sent = time.monotonic() - t0  # (when it really left)
+        usage = None
+        try:
+            async with self.session.post(f"{self.url}/v1/completions", json=body) as r:
+                if r.status != 200:
+                    rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                    return
+                async for line in r.content:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    d = json.loads(line[6:])
+                    if d.get("choices"):
+                        if math.isnan(rec.first_token):
+                            rec.first_token = time.monotonic() - t0
+                        rec.chunks += 1
+                    if d.get("usage"):
+                        usage = d["usage"]
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            rec.error = f"{type(e).__name__}: {e}"[:200]
+            return
+        rec.finished = time.monotonic() - t0
+        if usage is not None:
+            rec.prompt_tokens = int(usage.get("prompt_tokens", rec.prompt_tokens))
+            rec.output_tokens = int(usage.get("completion_tokens", 0))
+        if rec.output_tokens <= 0:
+            rec.error = "no usage in the stream"
+
+
+def trace(load: float, capacity: float, arrivals: str, n: int, mix: Mix,
+          seed: int) -> list[Record]:
+    """``n`` requests at ``load`` x ``capacity`` per second (seeded)."""
+    rate = load * capacity
+    process = Poisson(rate) if arrivals == "poisson" else MMPP2(rate)
+    times = process.times(n, np.random.default_rng(seed))
+    rng = random.Random(seed)
+    out = []
+    for i, t in enumerate(times.tolist()):
+        p, o = mix.draw(rng)
+        out.append(Record(f"{arrivals}-{load:g}-{i}", load, arrivals, float(t), p, o))
+    return out
+
+
+async def run_trace(client: Client, recs: list[Record], seed: int) -> None:
+    """Send the trace in real time (open loop)."""
+    t0 = time.monotonic() + 0.05
+    rng = random.Random(seed)
+    await asyncio.gather(*(client.send(r, t0, random.Random(rng.getrandbits(32)))
+                           for r in recs))
+
+
+async def measure_capacity(client: Client, mix: Mix, clients: int, n: int,
+                           seed: int) -> float:
+    """Requests per second the server completes with ``clients`` in a closed loop."""
+    rng = random.Random(seed)
+    todo = [Record(f"cap-{i}", 0.0, "closed", 0.0, *mix.draw(rng)) for i in range(n)]
+    queue = list(reversed(todo))
+    t0 = time.monotonic()
+
+    async def worker(k: int) -> None:
+        wrng = random.Random(seed * 1000 + k)
+        while queue:
+            rec = queue.pop()
+            rec.sent = time.monotonic() - t0
+            await client.send(rec, t0, wrng)
+
+    await asyncio.gather(*(worker(k) for k in range(clients)))
+    elapsed = time.monotonic() - t0
+    done = [r for r in todo if r.ok]
+    if not done:
+        errors = {r.error for r in todo if r.error}
+        raise ValidationError(f"{client.url}: no request of the capacity run completed "
+                              f"({'; '.join(sorted(errors))[:300]})")
+    return len(done) / elapsed
+
+
+def replay(recs: list[Record], spec: InstanceSpec) -> None:
+    """Predict each completed request's TTFT and end-to-end latency by running the trace
+    through the engine (``spec``: the instance's profile); sets ``predicted_*``."""
+    done = sorted((r for r in recs if r.ok), key=lambda r: r.sent)
+    if not done:
+        return
+    eng = Engine(spec.config, spec.batch_time, time=done[0].sent)
+    for r in done:
+        eng.run_until(r.sent)
+        eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent)
+    eng.drain()
+    cols = eng.lookup([r.id for r in done])
+    o = spec.request_overhead_s
+    for r, first, fin in zip(done, cols.first_token.tolist(), cols.finish_time.tolist(),
+                             strict=True):
+        r.predicted_ttft = first - r.sent + o
+        r.predicted_e2e = fin - r.sent + o
+
+
+def errors(recs: list[Record], what: str) -> np.ndarray:
+    """Relative errors (predicted / observed - 1) of ``ttft`` or ``e2e`` over the completed
+    requests with a prediction."""
+    pairs = [(getattr(r, f"predicted_{what}"), getattr(r, what)) for r in recs if r.ok]
+    arr = np.array([(p, o) for p, o in pairs if math.isfinite(p) and o > 0], dtype=float)
+    if arr.size == 0:
+        return np.zeros(0)
+    return arr[:, 0] / arr[:, 1] - 1.0
+
+
+def error_stats(errs: np.ndarray) -> dict[str, float]:
+    """Median, mean and 90th percentile of |error|, and the median signed error (bias)."""
+    if errs.size == 0:
+        return {"n": 0, "median_abs": math.nan, "mean_abs": math.nan, "p90_abs": math.nan,
+                "median": math.nan}
+    a = np.abs(errs)
+    return {"n": int(errs.size), "median_abs": float(np.median(a)),
+            "mean_abs": float(a.mean()), "p90_abs": float(np.quantile(a, 0.9)),
+            "median": float(np.median(errs))}

@@ -1,0 +1,147 @@
+"""What ``duetime validate`` writes: ``results.csv`` (one row per request), ``summary.json``
+(the pooled and per-load errors), ``report.md`` (the tables) and two PNGs (forecast against
+observed TTFT; error against load)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from duetime.calibrate.validation import Record, error_stats, errors
+
+CSV_FIELDS = ("id", "load", "arrivals", "sent_s", "prompt_tokens", "output_tokens", "chunks",
+              "ttft_s", "predicted_ttft_s", "e2e_s", "predicted_e2e_s", "error")
+
+
+def summarize(recs: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
+    """``summary.json``: errors as fractions (0.05 is 5%), pooled over all loads and per load
+    (and per load and arrival process)."""
+    loads = sorted({r.load for r in recs})
+    out: dict[str, Any] = dict(meta)
+    for what in ("ttft", "e2e"):
+        s = error_stats(errors(recs, what))
+        out[f"{what}_median_abs_pct_error"] = s["median_abs"]
+        out[f"{what}_mean_abs_pct_error"] = s["mean_abs"]
+        out[f"{what}_p90_abs_pct_error"] = s["p90_abs"]
+        out[f"{what}_median_pct_error"] = s["median"]
+    out["requests"] = len(recs)
+    out["failed"] = sum(not r.ok for r in recs)
+    per: dict[str, Any] = {}
+    for load in loads:
+        sub = [r for r in recs if r.load == load]
+        row: dict[str, Any] = {"requests": len(sub), "failed": sum(not r.ok for r in sub)}
+        for what in ("ttft", "e2e"):
+            s = error_stats(errors(sub, what))
+            row[f"{what}_median_abs_pct_error"] = s["median_abs"]
+            row[f"{what}_mean_abs_pct_error"] = s["mean_abs"]
+            row[f"{what}_p90_abs_pct_error"] = s["p90_abs"]
+            row[f"{what}_median_pct_error"] = s["median"]
+        ok = [r for r in sub if r.ok]
+        row["observed_ttft_median_s"] = float(np.median([r.ttft for r in ok])) if ok else None
+        row["predicted_ttft_median_s"] = (float(np.median([r.predicted_ttft for r in ok]))
+                                          if ok else None)
+        row["by_arrivals"] = {a: error_stats(errors([r for r in sub if r.arrivals == a],
+                                                    "ttft"))
+                              for a in sorted({r.arrivals for r in sub})}
+        per[f"{load:g}"] = row
+    out["per_load"] = per
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.1%}"
+
+
+def table(summary: dict[str, Any]) -> str:
+    """The per-load table (markdown)."""
+    lines = ["| load | requests | failed | TTFT obs p50 | TTFT pred p50 | TTFT abs err p50 | "
+             "MAPE | p90 | bias | e2e abs err p50 | e2e p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for load, row in summary["per_load"].items():
+        obs, pred = row["observed_ttft_median_s"], row["predicted_ttft_median_s"]
+        lines.append(
+            f"| {load} | {row['requests']} | {row['failed']} | "
+            f"{'n/a' if obs is None else f'{obs * 1000:.0f} ms'} | "
+            f"{'n/a' if pred is None else f'{pred * 1000:.0f} ms'} | "
+            f"{_pct(row['ttft_median_abs_pct_error'])} | "
+            f"{_pct(row['ttft_mean_abs_pct_error'])} | {_pct(row['ttft_p90_abs_pct_error'])} | "
+            f"{_pct(row['ttft_median_pct_error'])} | {_pct(row['e2e_median_abs_pct_error'])} | "
+            f"{_pct(row['e2e_p90_abs_pct_error'])} |")
+    s = summary
+    lines.append(f"| all | {s['requests']} | {s['failed']} | | | "
+                 f"{_pct(s['ttft_median_abs_pct_error'])} | {_pct(s['ttft_mean_abs_pct_error'])}"
+                 f" | {_pct(s['ttft_p90_abs_pct_error'])} | {_pct(s['ttft_median_pct_error'])} "
+                 f"| {_pct(s['e2e_median_abs_pct_error'])} | {_pct(s['e2e_p90_abs_pct_error'])} |")
+    return "\n".join(lines)
+
+
+def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
+        for r in recs:
+            w.writerow([r.id, r.load, r.arrivals, f"{r.sent:.6f}", r.prompt_tokens,
+                        r.output_tokens, r.chunks, f"{r.ttft:.6f}", f"{r.predicted_ttft:.6f}",
+                        f"{r.e2e:.6f}", f"{r.predicted_e2e:.6f}", r.error or ""])
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    _plots(out, recs)
+    m = summary
+    text = (f"# duetime validate: {m['url']} ({m['model']})\n\n"
+            f"`{command}`\n\n"
+            f"Profile {m['profile']}; capacity {m['capacity_rps']:.2f} requests/s (closed loop "
+            f"of {m['capacity_clients']} clients); prompts {m['mix']['min_prompt']}-"
+            f"{m['mix']['max_prompt']} tokens (log-uniform), outputs {m['mix']['min_output']}-"
+            f"{m['mix']['max_output']} (`ignore_eos`); arrivals {', '.join(m['arrivals'])}; "
+            f"{m['requests_per_run']} requests per load and arrival process.\n\n"
+            "Errors are per request, predicted / observed - 1 (the engine replaying the "
+            "observed trace with the profile); `bias` is the median signed error (negative: "
+            "the model predicts low).\n\n" + table(summary) + "\n\n"
+            "![forecast vs observed](ttft_scatter.png)\n![error vs load](error_vs_load.png)\n")
+    (out / "report.md").write_text(text)
+
+
+def _plots(out: Path, recs: list[Record]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in recs if r.ok and math.isfinite(r.predicted_ttft)]
+    loads = sorted({r.load for r in ok})
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    for load in loads:
+        sub = [r for r in ok if r.load == load]
+        ax.scatter([r.ttft * 1000 for r in sub], [r.predicted_ttft * 1000 for r in sub], s=10,
+                   label=f"load {load:g}", alpha=0.7)
+    if ok:
+        lo = min(min(r.ttft, r.predicted_ttft) for r in ok) * 1000
+        hi = max(max(r.ttft, r.predicted_ttft) for r in ok) * 1000
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("observed TTFT (ms)")
+    ax.set_ylabel("predicted TTFT (ms)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_scatter.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    med = [error_stats(errors([r for r in ok if r.load == x], "ttft"))["median_abs"]
+           for x in loads]
+    p90 = [error_stats(errors([r for r in ok if r.load == x], "ttft"))["p90_abs"]
+           for x in loads]
+    ax.plot(loads, [m * 100 for m in med], marker="o", label="median |error|")
+    ax.plot(loads, [p * 100 for p in p90], marker="s", label="p90 |error|")
+    ax.set_xlabel("load (fraction of measured capacity)")
+    ax.set_ylabel("TTFT error (%)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "error_vs_load.png", dpi=110)
+    plt.close(fig)

@@ -1,0 +1,95 @@
+"""``duetime validate`` against an in-process emulator: the emulator runs the same engine in
+real time, so the replay predicts it closely (the HTTP path and the event loop's jitter are
+what is left); the outputs are what the issue names."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import math
+import threading
+
+import pytest
+
+from duetime.cli import main
+
+PROFILE = "qwen3-32b"
+SPEED = 0.5  # (slower than the profile: TTFTs of ~100 ms, beside a few ms of HTTP)
+
+
+@pytest.fixture(scope="module")
+def emulator_url():
+    """An emulator of the profile on a loopback port, on its own event-loop thread."""
+    from duetime.emulator import Emulator, create_app
+    from duetime.engine.profiles import load_profile
+    from duetime.serving.server import AppServer
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    spec = load_profile(PROFILE)
+    emu = Emulator(spec.batch_time, spec.config, model_name=PROFILE, speed=SPEED, seed=0)
+    server = asyncio.run_coroutine_threadsafe(AppServer(create_app(emu)).start(),
+                                              loop).result(30)
+    yield server.url
+    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_validate_against_the_emulator_reports_a_small_error(emulator_url, tmp_path, capsys):
+    out = tmp_path / "val"
+    rc = main(["validate", emulator_url, "--model", PROFILE, "--profile", PROFILE,
+               "--speed", str(SPEED), "--out", str(out), "--loads", "0.3,0.6",
+               "--requests", "15", "--max-prompt", "400", "--max-output", "16",
+               "--capacity-clients", "8", "--capacity-requests", "16", "--pause", "0.2",
+               "--quiet"])
+    assert rc == 0
+    assert "TTFT |error| median" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests"] == 30 and summary["failed"] == 0
+    assert set(summary["per_load"]) == {"0.3", "0.6"}
+    for key in ("ttft_median_abs_pct_error", "ttft_p90_abs_pct_error"):
+        assert all(math.isfinite(x) for x in (summary[key], summary["per_load"]["0.3"][key],
+                                              summary["per_load"]["0.6"][key]))
+    # the same engine in real time: end-to-end latency within a few percent, TTFT close
+    assert summary["e2e_median_abs_pct_error"] < 0.05, summary
+    assert summary["ttft_median_abs_pct_error"] < 0.15, summary
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert len(rows) == 30 and all(float(r["predicted_ttft_s"]) > 0 for r in rows)
+    assert (out / "ttft_scatter.png").stat().st_size > 0
+    assert (out / "error_vs_load.png").stat().st_size > 0
+    assert "| all |" in (out / "report.md").read_text()
+
+
+def test_validate_a_wrong_profile_shows(emulator_url, tmp_path):
+    """A profile twice as fast as the server: the model predicts low, by about half."""
+    from duetime.engine.profiles import load_profile
+
+    out = tmp_path / "val"
+    spec = load_profile(PROFILE)
+    prof = tmp_path / "fast.yaml"
+    prof.write_text(json.dumps({"batch_time": spec.batch_time.scaled(2 * SPEED).to_dict(),
+                                "config": spec.config.to_dict()}))
+    assert main(["validate", emulator_url, "--model", PROFILE, "--profile", str(prof),
+                 "--out", str(out), "--loads", "0.3", "--requests", "10", "--max-prompt",
+                 "400", "--max-output", "16", "--capacity-clients", "8",
+                 "--capacity-requests", "16", "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["e2e_median_pct_error"] < -0.3  # (predicted / observed - 1 near -0.5)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["ftp://x"], "URL must be an http(s) URL"),
+    (["http://127.0.0.1:9", "--profile", "nope"], "unknown profile"),
+    (["http://127.0.0.1:9", "--loads", "0,1"], "--loads"),
+])
+def test_validate_errors_are_one_line(args, message, tmp_path, capsys):
+    base = ["validate", *args[:1], "--model", "m", "--out", str(tmp_path / "o")]
+    rest = args[1:]
+    if "--profile" not in rest:
+        rest = [*rest, "--profile", PROFILE]
+    assert main([*base, *rest]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
