@@ -77,6 +77,8 @@ def test_calibrate_an_emulated_instance() -> None:
     assert cal.model.b0 == pytest.approx(TRUE.b0, rel=0.3)
     assert cal.model.b1 == pytest.approx(TRUE.b1, rel=0.3)
     assert cal.model.b3 == pytest.approx(TRUE.b3, rel=0.5)
+    # decode probes at a realistic context (1,024 tokens here) identify the context term
+    assert cal.model.b2 == pytest.approx(TRUE.b2, rel=0.5)
     assert 0.0 <= cal.request_overhead_s < 0.02
     for kind in ("prefill", "decode"):
         assert statistics.median(abs(e) for e in cal.errors(kind)) < 0.1

@@ -12,9 +12,11 @@ Two kinds of probes, sent to an otherwise idle server:
   budget B a lone prompt is cut into chunks of at most B, and each chunk is one step
   ``b0 + b1·chunk + b3·(chunk·done + chunk(chunk+1)/2)``. Prompts longer than B separate ``b0``
   from ``o``.
-* **decode**: n requests at once (n up to ``max_num_seqs``), short prompts, ``ignore_eos``. Once
-  all n stream, the gap between two chunks of one stream is one step with n decoders:
-  ``b0 + b1·n + b2·Σ context``.
+* **decode**: n requests at once (n up to ``max_num_seqs``), ``ignore_eos``, with short prompts
+  and again with a realistic context (half the model length, at most 2,048 tokens: short
+  prompts alone leave ``b2`` unidentified, and it came out anywhere from 0 to 4.9 µs per token
+  over repeated calibrations of one server). Once all n stream, the gap between two chunks of
+  one stream is one step with n decoders: ``b0 + b1·n + b2·Σ context``.
 
 All rows are fitted together by non-negative least squares on relative error (scikit-learn's
 ``LinearRegression(positive=True)``, weighted by 1/observed). The result is the instance entry's
@@ -192,13 +194,32 @@ def default_batches(config: SchedulerConfig) -> list[int]:
     return sorted({n for n in (1, 2, 4, 8, 16, 32, s) if 1 <= n <= s})
 
 
+def default_decode_prompts(config: SchedulerConfig) -> list[int]:
+    """Decode-probe prompt lengths: short (the step's fixed and per-request costs) and a
+    realistic context (half the model length, at most 2,048 tokens: the per-context-token
+    cost ``b2``, which short prompts leave unidentified)."""
+    long = min(config.max_model_len // 2, 2048)
+    return [16] if long <= 64 else [16, long]
+
+
+def _fits(config: SchedulerConfig, n: int, prompt: int, tokens: int) -> bool:
+    """Whether n streams of ``prompt + tokens`` tokens fit the KV cache together (else the
+    server would preempt: no clean decode step to time)."""
+    per = -(-(prompt + tokens) // config.block_size)
+    return n * per <= config.usable_blocks
+
+
 async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int = 3,
                     prompt_lengths: list[int] | None = None, batches: list[int] | None = None,
-                    decode_tokens: int = 32, decode_prompt: int = 16, seed: int = 0,
-                    timeout_s: float = 120.0) -> Calibration:
-    """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit."""
+                    decode_tokens: int = 32, decode_prompts: list[int] | None = None,
+                    seed: int = 0, timeout_s: float = 120.0) -> Calibration:
+    """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit.
+    Decode probes run at each of ``decode_prompts`` (default: a short prompt and a realistic
+    context); a long prompt's streams decode ``decode_tokens`` more than the steps their
+    staggered prefills take, so that all of them decode together for a while."""
     lengths = prompt_lengths or default_prompt_lengths(config)
     ns = batches or default_batches(config)
+    contexts = decode_prompts or default_decode_prompts(config)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     samples: list[Sample] = []
     try:
@@ -215,10 +236,15 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
                                                                  max_num_batched_tokens),
                                           arr[0][0] - t0, f"P={counted}"))
             for _ in range(reps):
-                for n in ns:
-                    runs = await asyncio.gather(*(p.stream(p.prompt(decode_prompt),
-                                                           decode_tokens) for _ in range(n)))
-                    samples.extend(_decode_samples(runs, n))
+                for prompt in contexts:
+                    for n in ns:
+                        budget = config.max_num_batched_tokens
+                        tokens = decode_tokens + -(-(n * prompt) // budget)
+                        if prompt > 16 and not _fits(config, n, prompt, tokens):
+                            continue
+                        runs = await asyncio.gather(*(p.stream(p.prompt(prompt), tokens)
+                                                      for _ in range(n)))
+                        samples.extend(_decode_samples(runs, n))
     except aiohttp.ClientError as e:
         raise CalibrationError(f"{url}: {type(e).__name__}: {e}") from None
     except TimeoutError:

@@ -17,6 +17,9 @@ it did through duetime's engine:
    and output tokens — runs through the engine with the instance's profile (batch-time model,
    scheduler config, per-request overhead). A request's predicted TTFT is its first-token
    stamp minus its send time plus the overhead; its end-to-end latency likewise.
+4. **Corrected.** The gateway's online correction (:mod:`duetime.estimate.correction`) over the
+   same trace: each prediction scaled by the factor learnt from the requests whose first token
+   was seen before it was sent.
 
 Errors are per request, relative to the observed value (``predicted / observed - 1``); the
 report gives their absolute median, mean (MAPE) and 90th percentile per load and pooled. Against
@@ -37,6 +40,7 @@ import numpy as np
 
 from duetime.engine.compiled import Engine
 from duetime.engine.spec import InstanceSpec
+from duetime.estimate.correction import TtftCorrection
 from duetime.workload.arrivals import MMPP2, Poisson
 
 ARRIVALS = ("poisson", "bursty")
@@ -78,6 +82,7 @@ class Record:
     error: str | None = None
     predicted_ttft: float = math.nan
     predicted_e2e: float = math.nan
+    corrected_ttft: float = math.nan  # predicted_ttft x the online correction at its send
 
     @property
     def ttft(self) -> float:
@@ -151,6 +156,28 @@ class Client:
             rec.error = "no usage in the stream"
 
 
+def read_results(path: str) -> list[Record]:
+    """The requests of a ``results.csv`` that ``duetime validate`` wrote (to replay a recorded
+    trace with another profile); ValueError for a file of another shape."""
+    import csv
+
+    out = []
+    with open(path, newline="", encoding="utf-8") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            try:
+                sent = float(row["sent_s"])
+                r = Record(row["id"], float(row["load"]), row["arrivals"], sent,
+                           int(row["prompt_tokens"]), int(row["output_tokens"]),
+                           sent + float(row["ttft_s"]), sent + float(row["e2e_s"]),
+                           int(row["output_tokens"]), int(row["chunks"]),
+                           row["error"] or None)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}: row {i + 1}: not a duetime validate results.csv "
+                                 f"row ({e})") from None
+            out.append(r)
+    return out
+
+
 def trace(load: float, capacity: float, arrivals: str, n: int, mix: Mix,
           seed: int) -> list[Record]:
     """``n`` requests at ``load`` x ``capacity`` per second (seeded)."""
@@ -215,12 +242,29 @@ def replay(recs: list[Record], spec: InstanceSpec) -> None:
                              strict=True):
         r.predicted_ttft = first - r.sent + o
         r.predicted_e2e = fin - r.sent + o
+    correct(done)
 
 
-def errors(recs: list[Record], what: str) -> np.ndarray:
-    """Relative errors (predicted / observed - 1) of ``ttft`` or ``e2e`` over the completed
-    requests with a prediction."""
-    pairs = [(getattr(r, f"predicted_{what}"), getattr(r, what)) for r in recs if r.ok]
+def correct(done: list[Record]) -> None:
+    """The gateway's online correction (:class:`~duetime.estimate.correction.TtftCorrection`)
+    over the trace: each request's prediction is scaled by the factor learnt from the requests
+    whose first token the client had seen before it was sent (``done``: in send order)."""
+    corr = TtftCorrection()
+    seen = sorted(done, key=lambda r: r.first_token)
+    k = 0
+    for r in done:
+        while k < len(seen) and seen[k].first_token < r.sent:
+            s = seen[k]
+            corr.observe(s.predicted_ttft, s.ttft)
+            k += 1
+        r.corrected_ttft = r.predicted_ttft * corr.factor
+
+
+def errors(recs: list[Record], what: str, prediction: str = "predicted") -> np.ndarray:
+    """Relative errors (prediction / observed - 1) of ``ttft`` or ``e2e`` over the completed
+    requests with a prediction (``prediction``: ``predicted``, the static model, or
+    ``corrected``, with the online correction; TTFT only)."""
+    pairs = [(getattr(r, f"{prediction}_{what}"), getattr(r, what)) for r in recs if r.ok]
     arr = np.array([(p, o) for p, o in pairs if math.isfinite(p) and o > 0], dtype=float)
     if arr.size == 0:
         return np.zeros(0)

@@ -15,7 +15,8 @@ import numpy as np
 from duetime.calibrate.validation import Record, error_stats, errors
 
 CSV_FIELDS = ("id", "load", "arrivals", "sent_s", "prompt_tokens", "output_tokens", "chunks",
-              "ttft_s", "predicted_ttft_s", "e2e_s", "predicted_e2e_s", "error")
+              "ttft_s", "predicted_ttft_s", "corrected_ttft_s", "e2e_s", "predicted_e2e_s",
+              "error")
 
 
 def summarize(recs: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
@@ -23,24 +24,14 @@ def summarize(recs: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
     (and per load and arrival process)."""
     loads = sorted({r.load for r in recs})
     out: dict[str, Any] = dict(meta)
-    for what in ("ttft", "e2e"):
-        s = error_stats(errors(recs, what))
-        out[f"{what}_median_abs_pct_error"] = s["median_abs"]
-        out[f"{what}_mean_abs_pct_error"] = s["mean_abs"]
-        out[f"{what}_p90_abs_pct_error"] = s["p90_abs"]
-        out[f"{what}_median_pct_error"] = s["median"]
+    _errors_into(out, recs)
     out["requests"] = len(recs)
     out["failed"] = sum(not r.ok for r in recs)
     per: dict[str, Any] = {}
     for load in loads:
         sub = [r for r in recs if r.load == load]
         row: dict[str, Any] = {"requests": len(sub), "failed": sum(not r.ok for r in sub)}
-        for what in ("ttft", "e2e"):
-            s = error_stats(errors(sub, what))
-            row[f"{what}_median_abs_pct_error"] = s["median_abs"]
-            row[f"{what}_mean_abs_pct_error"] = s["mean_abs"]
-            row[f"{what}_p90_abs_pct_error"] = s["p90_abs"]
-            row[f"{what}_median_pct_error"] = s["median"]
+        _errors_into(row, sub)
         ok = [r for r in sub if r.ok]
         row["observed_ttft_median_s"] = float(np.median([r.ttft for r in ok])) if ok else None
         row["predicted_ttft_median_s"] = (float(np.median([r.predicted_ttft for r in ok]))
@@ -53,6 +44,17 @@ def summarize(recs: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _errors_into(out: dict[str, Any], recs: list[Record]) -> None:
+    """The static model's TTFT and e2e errors, and the corrected TTFT's (``corrected_*``)."""
+    for prefix, what, prediction in (("", "ttft", "predicted"), ("", "e2e", "predicted"),
+                                     ("corrected_", "ttft", "corrected")):
+        s = error_stats(errors(recs, what, prediction))
+        out[f"{prefix}{what}_median_abs_pct_error"] = s["median_abs"]
+        out[f"{prefix}{what}_mean_abs_pct_error"] = s["mean_abs"]
+        out[f"{prefix}{what}_p90_abs_pct_error"] = s["p90_abs"]
+        out[f"{prefix}{what}_median_pct_error"] = s["median"]
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.1%}"
 
@@ -60,8 +62,8 @@ def _pct(x: float | None) -> str:
 def table(summary: dict[str, Any]) -> str:
     """The per-load table (markdown)."""
     lines = ["| load | requests | failed | TTFT obs p50 | TTFT pred p50 | TTFT abs err p50 | "
-             "MAPE | p90 | bias | e2e abs err p50 | e2e p90 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "MAPE | p90 | bias | corrected p50 | corrected p90 | e2e abs err p50 | e2e p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for load, row in summary["per_load"].items():
         obs, pred = row["observed_ttft_median_s"], row["predicted_ttft_median_s"]
         lines.append(
@@ -70,12 +72,16 @@ def table(summary: dict[str, Any]) -> str:
             f"{'n/a' if pred is None else f'{pred * 1000:.0f} ms'} | "
             f"{_pct(row['ttft_median_abs_pct_error'])} | "
             f"{_pct(row['ttft_mean_abs_pct_error'])} | {_pct(row['ttft_p90_abs_pct_error'])} | "
-            f"{_pct(row['ttft_median_pct_error'])} | {_pct(row['e2e_median_abs_pct_error'])} | "
-            f"{_pct(row['e2e_p90_abs_pct_error'])} |")
+            f"{_pct(row['ttft_median_pct_error'])} | "
+            f"{_pct(row['corrected_ttft_median_abs_pct_error'])} | "
+            f"{_pct(row['corrected_ttft_p90_abs_pct_error'])} | "
+            f"{_pct(row['e2e_median_abs_pct_error'])} | {_pct(row['e2e_p90_abs_pct_error'])} |")
     s = summary
     lines.append(f"| all | {s['requests']} | {s['failed']} | | | "
                  f"{_pct(s['ttft_median_abs_pct_error'])} | {_pct(s['ttft_mean_abs_pct_error'])}"
                  f" | {_pct(s['ttft_p90_abs_pct_error'])} | {_pct(s['ttft_median_pct_error'])} "
+                 f"| {_pct(s['corrected_ttft_median_abs_pct_error'])} | "
+                 f"{_pct(s['corrected_ttft_p90_abs_pct_error'])} "
                  f"| {_pct(s['e2e_median_abs_pct_error'])} | {_pct(s['e2e_p90_abs_pct_error'])} |")
     return "\n".join(lines)
 
@@ -88,20 +94,24 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
         for r in recs:
             w.writerow([r.id, r.load, r.arrivals, f"{r.sent:.6f}", r.prompt_tokens,
                         r.output_tokens, r.chunks, f"{r.ttft:.6f}", f"{r.predicted_ttft:.6f}",
-                        f"{r.e2e:.6f}", f"{r.predicted_e2e:.6f}", r.error or ""])
+                        f"{r.corrected_ttft:.6f}", f"{r.e2e:.6f}", f"{r.predicted_e2e:.6f}",
+                        r.error or ""])
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     _plots(out, recs)
     m = summary
     text = (f"# duetime validate: {m['url']} ({m['model']})\n\n"
             f"`{command}`\n\n"
-            f"Profile {m['profile']}; capacity {m['capacity_rps']:.2f} requests/s (closed loop "
-            f"of {m['capacity_clients']} clients); prompts {m['mix']['min_prompt']}-"
+            f"Profile {m['profile']}; "
+            + ("a recorded trace replayed (`--trace`)" if not math.isfinite(m["capacity_rps"])
+               else f"capacity {m['capacity_rps']:.2f} requests/s (closed loop of "
+                    f"{m['capacity_clients']} clients)") + f"; prompts {m['mix']['min_prompt']}-"
             f"{m['mix']['max_prompt']} tokens (log-uniform), outputs {m['mix']['min_output']}-"
             f"{m['mix']['max_output']} (`ignore_eos`); arrivals {', '.join(m['arrivals'])}; "
             f"{m['requests_per_run']} requests per load and arrival process.\n\n"
             "Errors are per request, predicted / observed - 1 (the engine replaying the "
             "observed trace with the profile); `bias` is the median signed error (negative: "
-            "the model predicts low).\n\n" + table(summary) + "\n\n"
+            "the model predicts low); `corrected`: with the gateway's online correction, each "
+            "prediction scaled by what the requests answered before it was sent taught.\n\n" + table(summary) + "\n\n"
             "![forecast vs observed](ttft_scatter.png)\n![error vs load](error_vs_load.png)\n")
     (out / "report.md").write_text(text)
 

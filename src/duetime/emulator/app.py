@@ -9,6 +9,7 @@
 | ``GET /metrics`` | Prometheus text with vLLM's metric names |
 | ``GET /snapshot`` | the engine's snapshot JSON (``shared/reference/snapshot-format.md``; version 2, with the prefix cache, while prefix caching is on); header ``x-duetime-clock`` = the emulator's clock when it was taken |
 | ``GET/POST /emulator/faults`` | read / set failure injection ``{"rate", "kinds", "healthy"}`` (tests) |
+| ``GET/POST /emulator/speed`` | read / set the speed ``{"speed": X}`` from the next step on (a drifting server, tests) |
 
 Request ids: a request's ``x-request-id`` header (if unused) names it in the engine and the
 snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|timeout|disconnect``
@@ -291,6 +292,19 @@ def create_app(emu: Emulator) -> FastRoutes:
         f = emu.faults
         return JSONResponse({"rate": f.rate, "kinds": list(f.kinds), "healthy": f.healthy})
 
+    async def speed(request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                d = parse_json(await request.body())
+                if not isinstance(d, dict) or "speed" not in d:
+                    raise ApiError(400, 'body must be a JSON object {"speed": X}')
+                emu.set_speed(float(d["speed"]))
+            except (TypeError, ValueError) as e:
+                return _error(ApiError(400, str(e)))
+            except ApiError as e:
+                return _error(e)
+        return JSONResponse({"speed": emu.speed})
+
     async def version(request: Request) -> Response:
         import duetime
         return JSONResponse({"version": f"duetime-emulator {duetime.__version__}"})
@@ -311,6 +325,7 @@ def create_app(emu: Emulator) -> FastRoutes:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/snapshot", snapshot, methods=["GET"]),
         Route("/emulator/faults", faults, methods=["GET", "POST"]),
+        Route("/emulator/speed", speed, methods=["GET", "POST"]),
         Route("/version", version, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -106,6 +106,7 @@ class Emulator:
             raise ValueError(f"speed must be a positive number, got {speed}")
         self.model_name = model_name
         self.speed = speed
+        self._base_model = model
         config = replace(config, enable_prefix_caching=bool(enable_prefix_caching))
         self.config = config
         self.model = model.scaled(speed)
@@ -241,6 +242,15 @@ class Emulator:
         self.m_prompt.inc(prompt_tokens)
         self._wake.set()
         return req
+
+    def set_speed(self, speed: float) -> None:
+        """Run ``speed`` times faster than the profile from the next step on (a server that
+        drifts, for tests of the gateway's online correction)."""
+        if not speed > 0 or not math.isfinite(speed):
+            raise ValueError(f"speed must be a positive number, got {speed}")
+        self.speed = speed
+        self.model = self._base_model.scaled(speed)
+        self.engine.set_model(self.model)
 
     def cancel(self, req: EmuRequest) -> None:
         """The client went away: abort the request (frees its KV at once)."""

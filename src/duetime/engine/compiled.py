@@ -624,6 +624,13 @@ class Engine:
         self._reclaim()
         return int(key_match(self._kmap, np.asarray(hashes, dtype=np.int64)))
 
+    def set_model(self, model: BatchTimeModel) -> None:
+        """Steps from now on take ``model``'s time (an emulated instance whose speed changes
+        while it runs). The step in flight keeps the duration it was given."""
+        self.model = model
+        self._w = np.array(model.weights, dtype=np.float64)
+        self._changed()
+
     def cache_store(self, hashes: Sequence[int] | np.ndarray) -> int:
         """Prefix caching: the instance reports these block keys cached (vLLM's KV event
         ``BlockStored``): those the engine lacks become free cached blocks, most recently

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from duetime.engine.forecasting import ForecastError, forecast
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceView, PromptHashes
+from duetime.estimate.correction import correction_factor
 
 
 def _keys(snap: Snapshot, hashes: PromptHashes | None) -> Sequence[int] | None:
@@ -23,14 +24,16 @@ class SfsEstimator:
              hashes: PromptHashes | None = None) -> float:
         """Seconds from ``now`` to a new request's first token (inf if it cannot be served
         there: too long, KV too small). With prefix caching the replay prices the prompt's
-        cached blocks (``hashes``) and what the requests ahead cache and evict."""
+        cached blocks (``hashes``) and what the requests ahead cache and evict. A view with an
+        online correction (``ttft_correction``, :mod:`duetime.estimate.correction`) scales the
+        result by its factor."""
         snap = view.snapshot()
         try:
             est = forecast(snap, prompt_tokens,
                            prompt_hashes=_keys(snap, hashes)).estimate_s
         except ForecastError:
             return float("inf")
-        return est + (snap.time - now) + view.request_overhead_s
+        return (est + (snap.time - now) + view.request_overhead_s) * correction_factor(view)
 
     def e2e(self, view: InstanceView, prompt_tokens: int, output_tokens: int,
             now: float, *, hashes: PromptHashes | None = None) -> float:

@@ -134,6 +134,9 @@ class StateSpec(_Strict):
     idle_scrape_interval_s: float = Field(1.0, ge=0.005, le=600)
     max_age_s: float = Field(0.25, gt=0)
     sync_interval_s: float = Field(0.02, ge=0)
+    # online correction of each instance's TTFT forecasts from the first tokens it delivers
+    # (duetime.estimate.correction): on unless false
+    ttft_correction: bool = True
 
 
 class TimeoutSpec(_Strict):

@@ -26,7 +26,7 @@ class Flight:
     """One upstream attempt, as the gateway observes it."""
 
     __slots__ = ("cached_tokens", "dispatched", "first_token", "forecast", "hashes", "id",
-                 "predicted", "prompt_tokens", "shadowed", "tokens")
+                 "predicted", "prompt_tokens", "raw_forecast", "shadowed", "tokens")
 
     def __init__(self, fid: str, prompt_tokens: int, predicted: int, dispatched: float,
                  forecast: float | None, hashes: Sequence[int] | None = None) -> None:
@@ -40,6 +40,7 @@ class Flight:
         self.tokens = 0
         self.shadowed = False  # whether it joined the instance's shadow replica
         self.cached_tokens = 0  # prompt tokens the gateway believed cached there at dispatch
+        self.raw_forecast: float | None = None  # the forecast before the online correction
 
 
 class FlightStore(Protocol):

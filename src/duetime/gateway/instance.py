@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
+from duetime.estimate.correction import TtftCorrection
 from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.gateway.config import Instance, Pool
 from duetime.gateway.event_cache import EventCache
@@ -51,6 +53,8 @@ class InstanceState:
         self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
                                    instance.price_output, self)
         self.inflight = InFlight(instance.name, store)
+        # what the instance really did corrects what its model forecasts (SfsEstimator reads it)
+        self.ttft_correction = TtftCorrection(enabled=pool.state.ttft_correction)
         self._sync_interval_s = pool.state.sync_interval_s
         self._replica(now)
         # vLLM's KV events, where the instance publishes them: the precise view of its cache
@@ -211,6 +215,8 @@ class InstanceState:
         caching: its replica caches them)."""
         self._apply_events(now)
         f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
+        if forecast is not None and math.isfinite(forecast):
+            f.raw_forecast = forecast / self.ttft_correction.factor
         f.cached_tokens = self.cached_tokens(hashes, prompt_tokens)
         self.metrics.prompt_tokens.labels(self.name).inc(prompt_tokens)
         if self.prefix_index is not None:
@@ -221,6 +227,9 @@ class InstanceState:
         return f
 
     def first_token(self, f: Flight, now: float) -> None:
+        if f.raw_forecast is not None:
+            self.ttft_correction.observe(f.raw_forecast, now - f.dispatched)
+            self.metrics.ttft_correction.labels(self.name).set(self.ttft_correction.factor)
         self.inflight.first_token(f, now)
         self.shadow.first_token(f, now)
         if self.events is not None and f.shadowed:
@@ -246,6 +255,7 @@ class InstanceState:
                 "publishes_snapshots": self.published.publishes,
                 "running": len(snap.running_table), "waiting": len(snap.waiting_table),
                 "kv_usage": round(self.kv_usage, 4),
+                "ttft_correction": round(self.ttft_correction.factor, 4),
                 "prefix_cache": None if self.prefix_index is None else {
                     "source": self.cache_source,
                     "block_size": self.instance.config.block_size,

@@ -72,6 +72,11 @@ class GatewayMetrics:
         self.prompt_tokens = Counter(
             "duetime_prompt_tokens", "Prompt tokens dispatched to the instance (as counted by "
             "the gateway).", ["instance"], registry=r)
+        self.ttft_correction = Gauge(
+            "duetime_ttft_correction",
+            "The online correction factor of the instance's TTFT forecasts (median observed / "
+            "raw forecast over its recent first tokens; 1 while learning or off).",
+            ["instance"], registry=r)
         self.state_source = Counter("duetime_state_reads",
                                     "Instance state reads for routing by source (published, "
                                     "shadow, metrics).", ["instance", "source"], registry=r)

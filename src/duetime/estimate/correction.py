@@ -1,0 +1,69 @@
+"""Online correction of an instance's TTFT forecasts: what the instance really did corrects
+what the model says it will do.
+
+Why: a calibration is fitted once, on an idle server; the server then drifts (the same 512-token
+prefill step took 151–228 ms within one run on the e2e machine) and a fixed model's error is
+amplified by queueing (docs/gateway.md, "Validating"). So every observed first token teaches
+the instance's correction: the ratio of the observed TTFT to the model's *raw* forecast
+(the forecast before correction) joins a window of the last ``window`` ratios, and the factor
+is their median, bounded to ``[low, high]``, once ``min_samples`` ratios are in (1 before).
+A median over a window is robust to the few requests that a paused process makes many times
+slower, does not wander on a stable instance (it moves only when most recent ratios move),
+and follows a drift within about half a window of requests.
+
+One implementation serves the gateway (:class:`~duetime.estimate.sfs.SfsEstimator` multiplies
+its TTFT forecast by the view's ``ttft_correction`` factor, when the view has one) and
+``duetime validate``'s replay (each request's prediction corrected with only the ratios of
+requests whose first token came before it arrived).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+
+class TtftCorrection:
+    """A bounded multiplicative correction learnt from observed / raw-forecast TTFT ratios."""
+
+    __slots__ = ("_ratios", "enabled", "high", "low", "min_samples", "observed")
+
+    def __init__(self, *, window: int = 32, min_samples: int = 8, low: float = 0.25,
+                 high: float = 4.0, enabled: bool = True) -> None:
+        if window < 1 or not 1 <= min_samples <= window:
+            raise ValueError(f"need 1 <= min_samples <= window, got {min_samples}, {window}")
+        if not 0 < low <= 1 <= high:
+            raise ValueError(f"need 0 < low <= 1 <= high, got {low}, {high}")
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.low, self.high = low, high
+        self.enabled = enabled
+        self.observed = 0
+
+    @property
+    def factor(self) -> float:
+        """What to multiply a raw forecast by (1 while disabled or still learning)."""
+        r = self._ratios
+        if not self.enabled or len(r) < self.min_samples:
+            return 1.0
+        s = sorted(r)
+        n = len(s)
+        med = s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+        return min(self.high, max(self.low, med))
+
+    def observe(self, raw_forecast_s: float, observed_s: float) -> None:
+        """A request's first token came ``observed_s`` after the decision that forecast
+        ``raw_forecast_s`` (uncorrected) for it."""
+        if raw_forecast_s > 0 and observed_s > 0 and math.isfinite(raw_forecast_s) \
+                and math.isfinite(observed_s):
+            self._ratios.append(observed_s / raw_forecast_s)
+            self.observed += 1
+
+    def reset(self) -> None:
+        self._ratios.clear()
+
+
+def correction_factor(view: object) -> float:
+    """The view's TTFT correction factor (its ``ttft_correction``), 1 where it has none."""
+    c = getattr(view, "ttft_correction", None)
+    return 1.0 if c is None else c.factor
