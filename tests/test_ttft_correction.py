@@ -88,6 +88,8 @@ def test_the_gateway_tracks_an_instance_that_slows_down() -> None:
             return first, before, after, r, metrics
 
     first, before, after, r, metrics = run(go(), timeout=120)
+    print(f"\ncorrection before {before:.3f}; after the slowdown, every 10 requests: "
+          f"{', '.join(f'{x:.2f}' for x in after[9::10])}")
     assert 0.8 < before < 1.3, before
     assert 2.0 < after[-1] / before < 4.5, (before, after)
     # the same prompt on the same idle instance: the forecast grew by the correction's factor
