@@ -90,7 +90,7 @@ class GatewayThread:
         self.service: Service | None = None
         try:
             self.service = self._call(Service(pool_from_dict(cfg, "e2e pool"),
-                                              drain_timeout_s=5.0).start(), 30.0)
+                                              drain_timeout_s=5.0).start(), 120.0)
         except BaseException:
             self._stop_loop()
             raise

@@ -95,7 +95,6 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--out", default=None, metavar="FILE", help="write the YAML here")
 
 
-
 def _load_profile_arg(value: str, model: str, error: type[Exception]) -> Any:
     """``--profile``: a built-in profile name, or a YAML file with a pool instance entry's
     ``batch_time`` / ``config`` / ``request_overhead_ms`` (what ``duetime calibrate --out``
@@ -219,7 +218,13 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
                                        "min_output": mix.min_output,
                                        "max_output": mix.max_output}}
     summary = summarize(recs, meta)
-    command = "duetime validate " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else ""
+    import shlex
+    command = shlex.join([
+        "duetime", "validate", args.url, "--model", args.model, "--profile", args.profile,
+        "--out", args.out, "--loads", ",".join(f"{x:g}" for x in loads), "--arrivals",
+        args.arrivals, "--requests", str(args.requests), "--seed", str(args.seed),
+        *(["--speed", f"{args.speed:g}"] if args.speed != 1.0 else []),
+        *(["--trace", args.trace] if args.trace else [])])
     out = Path(args.out)
     try:
         write(out, recs, summary, command)
