@@ -184,13 +184,16 @@ _BENCH = ("import importlib.metadata as m, sys\n"
           "main()\n")
 
 
-def _counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
+def _metric_lines(url: str) -> list[str]:
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+        return r.read().decode().splitlines()
+
+
+def _counters(url: str, names: tuple[str, ...]) -> dict[str, float]:
     out = dict.fromkeys(names, 0.0)
-    for line in text.splitlines():
+    for line in _metric_lines(url):
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in out:
             out[name] += float(line.rsplit(" ", 1)[1])
@@ -239,10 +242,7 @@ def run_vllm_bench(cfg: dict[str, Any], policy: str, servers: list[Any], python:
             raise SystemExit(f"prefix_routing: vllm bench serve failed:\n{proc.stderr[-3000:]}")
         result = json.loads(out.read_text())
         after = [_counters(s.base_url, vllm_names) for s in servers]
-        import urllib.request
-
-        with urllib.request.urlopen(svc.url + "/metrics", timeout=10) as r:
-            lines = r.read().decode().splitlines()
+        lines = _metric_lines(svc.url)
         on_time = total = 0.0
         decisions: dict[str, float] = {}
         for x in lines:

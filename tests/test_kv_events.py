@@ -35,7 +35,7 @@ BS = 4
 # --- the wire, as vLLM 0.32 writes it ----------------------------------------------------------
 
 class WEvent(msgspec.Struct, tag=True, omit_defaults=True):
-    pass
+    """The base of vLLM 0.32's tagged event structs (a map with "type")."""
 
 
 class WStored(WEvent, tag="BlockStored"):
@@ -58,7 +58,7 @@ class WRemoved(WEvent, tag="BlockRemoved"):
 
 
 class WCleared(WEvent, tag="AllBlocksCleared"):
-    pass
+    """No fields: the tag alone."""
 
 
 class WFuture(WEvent, tag="BlockMoved"):  # a type a later vLLM might add
@@ -88,7 +88,7 @@ class ORemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
 
 
 class OCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
-    pass
+    """No fields: an array of the tag alone."""
 
 
 class OFuture(msgspec.Struct, array_like=True, tag="BlockMoved"):

@@ -90,7 +90,9 @@ def test_the_gateway_tracks_an_instance_that_slows_down() -> None:
     first, before, after, r, metrics = run(go(), timeout=120)
     print(f"\ncorrection before {before:.3f}; after the slowdown, every 10 requests: "
           f"{', '.join(f'{x:.2f}' for x in after[9::10])}")
-    assert 0.8 < before < 1.3, before
+    # (the forecast replays the emulator's own engine: what is left is the HTTP path, a few
+    # ms beside ~100 ms of prefill here; a slower machine's larger share still passes)
+    assert 0.8 < before < 1.5, before
     assert 2.0 < after[-1] / before < 4.5, (before, after)
     # the same prompt on the same idle instance: the forecast grew by the correction's factor
     grown = float(r.headers["x-duetime-forecast-ttft-ms"]) / float(

@@ -143,10 +143,9 @@ def _plots(out: Path, recs: list[Record]) -> None:
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    med = [error_stats(errors([r for r in ok if r.load == x], "ttft"))["median_abs"]
-           for x in loads]
-    p90 = [error_stats(errors([r for r in ok if r.load == x], "ttft"))["p90_abs"]
-           for x in loads]
+    stats = [error_stats(errors([r for r in ok if r.load == x], "ttft")) for x in loads]
+    med = [st["median_abs"] for st in stats]
+    p90 = [st["p90_abs"] for st in stats]
     ax.plot(loads, [m * 100 for m in med], marker="o", label="median |error|")
     ax.plot(loads, [p * 100 for p in p90], marker="s", label="p90 |error|")
     ax.set_xlabel("load (fraction of measured capacity)")
