@@ -19,7 +19,7 @@ from duetime.calibrate import (
 )
 from duetime.cli import main
 from duetime.emulator import Emulator, create_app
-from duetime.engine.batch_time import Paper4
+from duetime.engine.batch_time import Paper4, Sfs6
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.request import Request
 from duetime.engine.scheduler import ReferenceEngine
@@ -47,13 +47,31 @@ def test_fit_recovers_exact_samples() -> None:
     cal = Calibration(TRUE, CFG, 0.003)
     rows = [prefill_row(p, 512) for p in (16, 128, 512, 800, 1500)]
     rows += [decode_row(n, n * c) for n in (1, 2, 4, 8) for c in (20, 300)]
-    samples = [Sample("prefill" if r[4] else "decode", r, 0.0, "") for r in rows]
+    samples = [Sample("prefill" if r[8] else "decode", r, 0.0, "") for r in rows]
     samples = [Sample(s.kind, s.x, cal.fitted(s), "") for s in samples]
     got = fit(samples, CFG)
     assert got.model.b0 == pytest.approx(TRUE.b0, rel=1e-3)
     assert got.model.b1 == pytest.approx(TRUE.b1, rel=1e-3)
     assert got.model.b3 == pytest.approx(TRUE.b3, rel=1e-3)
     assert got.request_overhead_s == pytest.approx(0.003, rel=1e-3)
+
+
+def test_the_same_probes_fit_sfs6() -> None:
+    """The samples keep the engine's batch features: the released SFS code's six-term model
+    is recovered from the same kind of probes (with prompts of several lengths per batch)."""
+    true6 = Sfs6(c0=0.006, cp=5e-5, cpsq=3e-9, cd=2e-4, cs=1e-6, css=2e-10)
+    cal = Calibration(true6, CFG, 0.002)
+    rows = [prefill_row(p, 512) for p in (16, 128, 300, 512, 800, 1500)]
+    rows += [decode_row(n, n * c) for n in (1, 2, 4, 8) for c in (20, 300, 1000)]
+    samples = [Sample("prefill" if r[8] else "decode", r, 0.0, "") for r in rows]
+    samples = [Sample(s.kind, s.x, cal.fitted(s), "") for s in samples]
+    got = fit(samples, CFG, "sfs6")
+    assert isinstance(got.model, Sfs6)
+    assert max(abs(e) for k in ("prefill", "decode") for e in got.errors(k)) < 1e-6
+    assert got.model.cd == pytest.approx(true6.cd, rel=1e-3)
+    assert got.request_overhead_s == pytest.approx(0.002, rel=1e-2)
+    with pytest.raises(ValueError, match="unknown batch-time model"):
+        fit(samples, CFG, "nope")
 
 
 def test_fit_needs_both_kinds() -> None:

@@ -57,6 +57,11 @@ def test_validate_against_the_emulator_reports_a_small_error(emulator_url, tmp_p
     # few ms; bounds with room for a slower machine; a profile off by 2x shows as ~50%, below)
     assert summary["e2e_median_abs_pct_error"] < 0.10, summary
     assert summary["ttft_median_abs_pct_error"] < 0.25, summary
+    # the batch time: each request's decode steps, and the emulator's own TTFT histogram
+    assert summary["itl_median_abs_pct_error"] < 0.25, summary
+    srv = summary["per_load"]["0.3"]["server"]
+    assert srv["ttft_mean_s"] > 0 and abs(srv["ttft_mean_pct_error"]) < 0.25, srv
+    assert math.isnan(summary["live_ttft_median_abs_pct_error"])  # (not a gateway)
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert len(rows) == 30 and all(float(r["predicted_ttft_s"]) > 0 for r in rows)
     assert (out / "ttft_scatter.png").stat().st_size > 0
@@ -79,6 +84,63 @@ def test_validate_a_wrong_profile_shows(emulator_url, tmp_path):
                  "--capacity-requests", "16", "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["e2e_median_pct_error"] < -0.3  # (predicted / observed - 1 near -0.5)
+    assert summary["itl_median_pct_error"] < -0.3  # the batch time is what is wrong
+    # (the emulator's own TTFT holds a few ms no batch time scales: less than half shows)
+    assert summary["per_load"]["0.3"]["server"]["ttft_mean_pct_error"] < -0.15
+
+
+def test_validate_through_a_gateway_reports_its_live_forecasts(tmp_path):
+    """URL a duetime gateway over an emulator: each answer's forecast header is the live
+    forecast, and its error is reported beside the replay's."""
+    from duetime.gateway import pool_from_dict
+    from duetime.service import Service
+
+    pool = pool_from_dict({"policy": "sfs", "instances": [
+        {"name": "e", "model": PROFILE, "profile": PROFILE, "emulate": {"speed": SPEED}}]},
+        "test")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    svc = asyncio.run_coroutine_threadsafe(Service(pool, drain_timeout_s=3.0).start(),
+                                           loop).result(60)
+    try:
+        out = tmp_path / "val"
+        assert main(["validate", svc.url, "--model", PROFILE, "--profile", PROFILE,
+                     "--speed", str(SPEED), "--out", str(out), "--loads", "0.4",
+                     "--requests", "15", "--max-prompt", "400", "--max-output", "16",
+                     "--capacity-clients", "8", "--capacity-requests", "16", "--pause", "0.2",
+                     "--quiet"]) == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(svc.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert all(float(r["live_ttft_s"]) > 0 for r in rows), rows[:2]
+    # the gateway forecasts the same engine it fronts (bound with room for a slow machine)
+    assert summary["live_ttft_median_abs_pct_error"] < 0.5, summary
+    assert "live forecast" in (out / "report.md").read_text()
+
+
+def test_server_stats_are_read_from_vllms_histograms():
+    """vLLM's page: each histogram's sum and count, summed over label sets; other pages, none."""
+    from duetime.calibrate.validation import parse_server_stats, server_means
+
+    page = "\n".join([
+        "# HELP vllm:time_to_first_token_seconds ttft",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf"} 4.0',
+        'vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 4.0',
+        'vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 2.0',
+        'vllm:time_to_first_token_seconds_count{engine="1",model_name="m"} 1.0',
+        'vllm:time_to_first_token_seconds_sum{engine="1",model_name="m"} 0.5',
+        "# TYPE vllm:inter_token_latency_seconds histogram",
+        'vllm:inter_token_latency_seconds_count{engine="0"} 10.0',
+        'vllm:inter_token_latency_seconds_sum{engine="0"} 0.3', ""])
+    got = parse_server_stats(page)
+    assert got == {"ttft": (2.5, 5.0), "itl": (0.3, 10.0)}
+    assert server_means({"ttft": (0.5, 1.0)}, got) == {"ttft": 0.5, "itl": 0.03}
+    assert parse_server_stats("<html>not metrics</html>") == {}
 
 
 @pytest.mark.parametrize(("args", "message"), [

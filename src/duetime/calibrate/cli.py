@@ -33,7 +33,8 @@ def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               block_size=block, num_gpu_blocks=blocks,
                               long_prefill_token_threshold=0)
-        return await calibrate(args.url, args.model, cfg, reps=args.reps, seed=args.seed)
+        return await calibrate(args.url, args.model, cfg, reps=args.reps, seed=args.seed,
+                               batch_model=args.batch_model)
 
     try:
         cal = asyncio.run(go())
@@ -72,8 +73,8 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "fit a batch-time model to a running vLLM (or emulated) instance",
                 "Probe an otherwise idle OpenAI-compatible server (vLLM, or `duetime emulate`) "
                 "with lone prompts of several lengths (prefill) and batches of concurrent "
-                "streams (decode), fit the SFS paper's paper4 batch-time model plus a per-request "
-                "overhead, and print the pool YAML keys of that instance (batch_time, config, "
+                "streams (decode), fit a batch-time model (the SFS paper's paper4 by default) plus "
+                "a per-request overhead, and print the pool YAML keys of that instance (batch_time, config, "
                 "request_overhead_ms) with the fit's error. The scheduler limits must be those "
                 "the server runs with (vLLM does not publish them); block size and KV blocks are "
                 "read from vLLM's vllm:cache_config_info unless given. Takes seconds to minutes.")
@@ -92,6 +93,9 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--reps", type=positive_int, default=3, metavar="N",
                    help="repetitions of each probe (default 3)")
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt seed (default 0)")
+    p.add_argument("--batch-model", choices=("paper4", "sfs6"), default="paper4",
+                   help="the batch-time model to fit: the SFS paper's eq. 11 (paper4, "
+                   "default) or the released SFS code's six terms (sfs6)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the YAML here")
 
 
@@ -142,7 +146,9 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
         ValidationError,
         measure_capacity,
         replay,
+        replay_means,
         run_trace,
+        server_stats,
         trace,
     )
     from duetime.calibrate.validation_report import summarize, write
@@ -170,6 +176,8 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
     say = (lambda m: None) if args.quiet else (lambda m: print(f"duetime validate: {m}",
                                                                 file=sys.stderr))
 
+    server_sums: dict[float, dict[str, list[float]]] = {}  # load -> histogram -> [sum, count]
+
     async def go() -> tuple[float, list]:
         timeout = aiohttp.ClientTimeout(total=args.request_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -184,8 +192,15 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
                     seed = args.seed * 1000 + 10 * k + j
                     run = trace(load, cap, arr, args.requests, mix, seed)
                     say(f"load {load:g} ({load * cap:.2f}/s), {arr}: {len(run)} requests")
+                    before = await server_stats(session, client.url)
                     await run_trace(client, run, seed)
                     await asyncio.sleep(args.pause)
+                    after = await server_stats(session, client.url)
+                    for key, (s1, c1) in after.items():  # this run's sums and counts
+                        s0, c0 = before.get(key, (0.0, 0.0))
+                        acc = server_sums.setdefault(load, {}).setdefault(key, [0.0, 0.0])
+                        acc[0] += s1 - s0
+                        acc[1] += c1 - c0
                     recs.extend(run)
             return cap, recs
 
@@ -217,7 +232,10 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
                                        "max_prompt": mix.max_prompt,
                                        "min_output": mix.min_output,
                                        "max_output": mix.max_output}}
-    summary = summarize(recs, meta)
+    server = {load: {"server": {k: t / c for k, (t, c) in sums.items() if c > 0},
+                     "replay": replay_means([r for r in recs if r.load == load], spec)}
+              for load, sums in server_sums.items() if sums}
+    summary = summarize(recs, meta, server)
     import shlex
     command = shlex.join([
         "duetime", "validate", args.url, "--model", args.model, "--profile", args.profile,
@@ -233,7 +251,11 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
     print(f"duetime validate: TTFT |error| median {summary['ttft_median_abs_pct_error']:.1%}, "
           f"p90 {summary['ttft_p90_abs_pct_error']:.1%} (with the online correction "
           f"{summary['corrected_ttft_median_abs_pct_error']:.1%}, "
-          f"{summary['corrected_ttft_p90_abs_pct_error']:.1%}) over {summary['requests']} "
+          f"{summary['corrected_ttft_p90_abs_pct_error']:.1%}"
+          + (f"; live gateway forecasts {summary['live_ttft_median_abs_pct_error']:.1%}, "
+             f"{summary['live_ttft_p90_abs_pct_error']:.1%}"
+             if math.isfinite(summary["live_ttft_median_abs_pct_error"]) else "")
+          + f") over {summary['requests']} "
           f"requests ({summary['failed']} failed); wrote {out}/report.md")
     return 0
 

@@ -19,8 +19,11 @@ Two kinds of probes, sent to an otherwise idle server:
   one stream is one step with n decoders: ``b0 + b1·n + b2·Σ context``.
 
 All rows are fitted together by non-negative least squares on relative error (scikit-learn's
-``LinearRegression(positive=True)``, weighted by 1/observed). The result is the instance entry's
-``batch_time``, ``config`` and ``request_overhead_ms`` for a pool YAML (docs/gateway.md).
+``LinearRegression(positive=True)``, weighted by 1/observed). Each sample keeps the engine's
+seven batch features summed over its steps (:mod:`duetime.engine.batch_time`), so the same
+probes fit either model: ``paper4`` (the default) or the released SFS code's ``sfs6``. The
+result is the instance entry's ``batch_time``, ``config`` and ``request_overhead_ms`` for a
+pool YAML (docs/gateway.md).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from duetime.engine.batch_time import Paper4
+from duetime.engine.batch_time import MODELS, BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.serving.cache_info import cache_config_info
 
@@ -56,7 +59,10 @@ class CalibrationError(RuntimeError):
 @dataclass(frozen=True)
 class Sample:
     kind: str                 # "prefill" or "decode"
-    x: tuple[float, ...]      # (steps, tokens, decode context, prefill attention, overhead)
+    # the batch features summed over the sample's steps, in batch_time's order (steps, n_dec,
+    # n_pre, pre_sq, pre_attn, dec_ctx, len_sum, len_sq), then 1 if the time holds the
+    # per-request overhead
+    x: tuple[float, ...]
     observed_s: float
     what: str                 # a label: "P=512" or "n=4"
 
@@ -65,15 +71,14 @@ class Sample:
 class Calibration:
     """The fitted model, its scheduler config and how well it fits its own samples."""
 
-    model: Paper4
+    model: BatchTimeModel
     config: SchedulerConfig
     request_overhead_s: float
     samples: list[Sample] = field(default_factory=list)
 
     def fitted(self, s: Sample) -> float:
-        m = self.model
-        coef = (m.b0, m.b1, m.b2, m.b3, self.request_overhead_s)
-        return float(np.dot(s.x, coef))
+        w = (*self.model.weights, self.request_overhead_s)  # type: ignore[attr-defined]
+        return float(np.dot(s.x, w))
 
     def errors(self, kind: str) -> list[float]:
         """Relative errors (fitted / observed - 1) of one kind of sample."""
@@ -87,37 +92,55 @@ class Calibration:
 
 
 def prefill_row(prompt: int, budget: int) -> tuple[float, ...]:
-    """Features of a lone prompt's prefill: (steps, tokens, 0, Σ attention, 1)."""
-    steps = attn = done = 0
+    """Features of a lone prompt's prefill (its chunks of at most ``budget``), with the
+    overhead: its time to first token."""
+    steps = attn = done = sq = 0
     while done < prompt:
         chunk = min(budget, prompt - done)
         attn += chunk * done + chunk * (chunk + 1) // 2
+        sq += chunk * chunk
         done += chunk
         steps += 1
-    return (float(steps), float(prompt), 0.0, float(attn), 1.0)
+    # (a prefilling request's length is its whole prompt, in every chunk's step)
+    return (float(steps), 0.0, float(prompt), float(sq), float(attn), 0.0,
+            float(steps * prompt), float(steps * prompt * prompt), 1.0)
 
 
-def decode_row(n: int, context: float) -> tuple[float, ...]:
-    """Features of one decode step of n requests with Σ context tokens."""
-    return (1.0, float(n), float(context), 0.0, 0.0)
+def decode_row(n: int, context: float, lengths_sq: float | None = None) -> tuple[float, ...]:
+    """Features of one decode step of n requests with Σ context tokens (each request's length
+    is its context and the token in flight; ``lengths_sq``: Σ length², default as if every
+    request had the mean context)."""
+    lsum = context + n
+    lsq = lsum * lsum / n if lengths_sq is None else lengths_sq
+    return (1.0, float(n), 0.0, 0.0, 0.0, float(context), float(lsum), float(lsq), 0.0)
 
 
-def fit(samples: list[Sample], config: SchedulerConfig) -> Calibration:
-    """Non-negative least squares on relative error over all samples."""
+def fit(samples: list[Sample], config: SchedulerConfig, model: str = "paper4") -> Calibration:
+    """Non-negative least squares on relative error over all samples, for the batch-time
+    ``model`` (a name in :data:`duetime.engine.batch_time.MODELS`)."""
     from sklearn.linear_model import LinearRegression
 
+    if model not in MODELS:
+        raise ValueError(f"unknown batch-time model {model!r}; expected one of {sorted(MODELS)}")
+    cls = MODELS[model]
     samples = [s for s in samples if s.observed_s > 0]
     if len({s.kind for s in samples}) < 2 or len(samples) < 6:
         raise CalibrationError(f"too few samples to fit ({len(samples)}): need prefill and "
                                "decode probes")
-    x = np.array([s.x for s in samples], dtype=float)
+    # each coefficient's weights on the seven features (the models are linear in them)
+    names = cls.coefficient_names
+    basis = np.array([cls(**{k: float(k == c) for k in names}).weights  # type: ignore[attr-defined]
+                      for c in names], dtype=float).T
+    feats = np.array([s.x for s in samples], dtype=float)
+    x = np.column_stack([feats[:, :8] @ basis, feats[:, 8]])
     y = np.array([s.observed_s for s in samples], dtype=float)
-    scale = x.max(axis=0)
+    scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     reg = LinearRegression(positive=True, fit_intercept=False)
     reg.fit(x / scale, y, sample_weight=1.0 / y**2)
-    b0, b1, b2, b3, o = (reg.coef_ / scale).tolist()
-    return Calibration(Paper4(b0=b0, b1=b1, b2=b2, b3=b3), config, o, samples)
+    coef = (reg.coef_ / scale).tolist()
+    return Calibration(cls(**dict(zip(names, coef[:-1], strict=True))), config, coef[-1],
+                       samples)
 
 
 class _Prober:
@@ -212,8 +235,10 @@ def _fits(config: SchedulerConfig, n: int, prompt: int, tokens: int) -> bool:
 async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int = 3,
                     prompt_lengths: list[int] | None = None, batches: list[int] | None = None,
                     decode_tokens: int = 32, decode_prompts: list[int] | None = None,
-                    seed: int = 0, timeout_s: float = 120.0) -> Calibration:
-    """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit.
+                    seed: int = 0, timeout_s: float = 120.0,
+                    batch_model: str = "paper4") -> Calibration:
+    """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit
+    ``batch_model``.
     Decode probes run at each of ``decode_prompts`` (default: a short prompt and a realistic
     context); a long prompt's streams decode ``decode_tokens`` more than the steps their
     staggered prefills take, so that all of them decode together for a while."""
@@ -249,7 +274,7 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
         raise CalibrationError(f"{url}: {type(e).__name__}: {e}") from None
     except TimeoutError:
         raise CalibrationError(f"{url}: no answer within {timeout_s:g} s") from None
-    return fit(samples, config)
+    return fit(samples, config, batch_model)
 
 
 def _decode_samples(runs: list[tuple[float, list[Arrival], int]], n: int) -> list[Sample]:

@@ -20,6 +20,14 @@ it did through duetime's engine:
 4. **Corrected.** The gateway's online correction (:mod:`duetime.estimate.correction`) over the
    same trace: each prediction scaled by the factor learnt from the requests whose first token
    was seen before it was sent.
+5. **Batch time.** Each request's mean inter-token latency (its decode steps: first to last
+   token over ``output - 1``) against the replay's; and, where the server exports vLLM's
+   histograms on ``/metrics``, the server's own mean inter-token latency and engine-side TTFT
+   over each run (scraped before and after it) against the replay's: how much of the error is
+   the batch-time model and how much is outside the engine.
+6. **Live.** Driving a duetime gateway (``URL`` is a ``duetime serve``), each answer's
+   ``x-duetime-forecast-ttft-ms`` is the forecast the gateway routed on, made from its live
+   state with its online correction: its error is reported too.
 
 Errors are per request, relative to the observed value (``predicted / observed - 1``); the
 report gives their absolute median, mean (MAPE) and 90th percentile per load and pooled. Against
@@ -29,6 +37,7 @@ the emulator (the same engine in real time) the error is the HTTP path's few mil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -80,8 +89,11 @@ class Record:
     output_tokens: int = 0
     chunks: int = 0
     error: str | None = None
+    last_token: float = math.nan  # the last chunk that carried text
+    live_ttft: float = math.nan  # a duetime gateway's forecast (x-duetime-forecast-ttft-ms)
     predicted_ttft: float = math.nan
     predicted_e2e: float = math.nan
+    predicted_itl: float = math.nan
     corrected_ttft: float = math.nan  # predicted_ttft x the online correction at its send
 
     @property
@@ -91,6 +103,16 @@ class Record:
     @property
     def e2e(self) -> float:
         return self.finished - self.sent
+
+    @property
+    def itl(self) -> float:
+        """Mean inter-token latency: the request's decode time per token after the first (NaN
+        for a stream that packed tokens into fewer chunks: a server falling behind sends what
+        it holds at once, and the chunks' times no longer time the steps)."""
+        n = self.output_tokens - 1
+        if n <= 0 or self.chunks < self.output_tokens:
+            return math.nan
+        return (self.last_token - self.first_token) / n
 
     @property
     def ok(self) -> bool:
@@ -135,13 +157,18 @@ class Client:
                 if r.status != 200:
                     rec.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                     return
+                live = r.headers.get("x-duetime-forecast-ttft-ms")
+                if live is not None:
+                    with contextlib.suppress(ValueError):
+                        rec.live_ttft = float(live) / 1000
                 async for line in r.content:
                     if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                         continue
                     d = json.loads(line[6:])
                     if d.get("choices"):
+                        rec.last_token = time.monotonic() - t0
                         if math.isnan(rec.first_token):
-                            rec.first_token = time.monotonic() - t0
+                            rec.first_token = rec.last_token
                         rec.chunks += 1
                     if d.get("usage"):
                         usage = d["usage"]
@@ -171,6 +198,10 @@ def read_results(path: str) -> list[Record]:
                            sent + float(row["ttft_s"]), sent + float(row["e2e_s"]),
                            int(row["output_tokens"]), int(row["chunks"]),
                            row["error"] or None)
+                # (columns that later versions added; older files lack them)
+                itl = float(row.get("itl_s") or "nan")
+                r.last_token = r.first_token + itl * max(r.output_tokens - 1, 0)
+                r.live_ttft = float(row.get("live_ttft_s") or "nan")
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}: row {i + 1}: not a duetime validate results.csv "
                                  f"row ({e})") from None
@@ -242,6 +273,8 @@ def replay(recs: list[Record], spec: InstanceSpec) -> None:
                              strict=True):
         r.predicted_ttft = first - r.sent + o
         r.predicted_e2e = fin - r.sent + o
+        if r.output_tokens > 1:
+            r.predicted_itl = (fin - first) / (r.output_tokens - 1)
     correct(done)
 
 
@@ -261,11 +294,13 @@ def correct(done: list[Record]) -> None:
 
 
 def errors(recs: list[Record], what: str, prediction: str = "predicted") -> np.ndarray:
-    """Relative errors (prediction / observed - 1) of ``ttft`` or ``e2e`` over the completed
-    requests with a prediction (``prediction``: ``predicted``, the static model, or
-    ``corrected``, with the online correction; TTFT only)."""
+    """Relative errors (prediction / observed - 1) of ``ttft``, ``e2e`` or ``itl`` over the
+    completed requests with a prediction (``prediction``: ``predicted``, the static model;
+    ``corrected``, with the online correction, or ``live``, a gateway's own forecast: TTFT
+    only)."""
     pairs = [(getattr(r, f"{prediction}_{what}"), getattr(r, what)) for r in recs if r.ok]
-    arr = np.array([(p, o) for p, o in pairs if math.isfinite(p) and o > 0], dtype=float)
+    arr = np.array([(p, o) for p, o in pairs if math.isfinite(p) and math.isfinite(o)
+                    and o > 0], dtype=float)
     if arr.size == 0:
         return np.zeros(0)
     return arr[:, 0] / arr[:, 1] - 1.0
@@ -280,3 +315,68 @@ def error_stats(errs: np.ndarray) -> dict[str, float]:
     return {"n": int(errs.size), "median_abs": float(np.median(a)),
             "mean_abs": float(a.mean()), "p90_abs": float(np.quantile(a, 0.9)),
             "median": float(np.median(errs))}
+
+
+# vLLM's request histograms on /metrics that say what the engine did (sum and count of each)
+SERVER_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds",
+                     "itl": "vllm:inter_token_latency_seconds",
+                     "queue": "vllm:request_queue_time_seconds"}
+
+
+def parse_server_stats(text: str) -> dict[str, tuple[float, float]]:
+    """``{"ttft"|"itl"|"queue": (sum, count)}`` from a vLLM ``/metrics`` page (summed over its
+    label sets: engines, models); empty for a server without them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {v: k for k, v in SERVER_HISTOGRAMS.items()}
+    out: dict[str, list[float]] = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            key = wanted.get(fam.name)
+            if key is None:
+                continue
+            acc = out.setdefault(key, [0.0, 0.0])
+            for smp in fam.samples:
+                if smp.name.endswith("_sum"):
+                    acc[0] += smp.value
+                elif smp.name.endswith("_count"):
+                    acc[1] += smp.value
+    except ValueError:  # not a Prometheus page
+        return {}
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+async def server_stats(session: aiohttp.ClientSession, url: str
+                       ) -> dict[str, tuple[float, float]]:
+    """The server's histogram sums and counts now (empty when it has none)."""
+    try:
+        async with session.get(f"{url}/metrics") as r:
+            return parse_server_stats(await r.text()) if r.status == 200 else {}
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return {}
+
+
+def server_means(before: dict[str, tuple[float, float]],
+                 after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Each histogram's mean over what happened between two scrapes (seconds)."""
+    out = {}
+    for k, (s1, c1) in after.items():
+        s0, c0 = before.get(k, (0.0, 0.0))
+        if c1 > c0:
+            out[k] = (s1 - s0) / (c1 - c0)
+    return out
+
+
+def replay_means(recs: list[Record], spec: InstanceSpec) -> dict[str, float]:
+    """The replay's counterparts of :func:`server_means` (engine side: no request overhead):
+    mean TTFT, and mean inter-token latency over every decode token of the run."""
+    ok = [r for r in recs if r.ok and math.isfinite(r.predicted_ttft)]
+    if not ok:
+        return {}
+    o = spec.request_overhead_s
+    out = {"ttft": float(np.mean([r.predicted_ttft - o for r in ok]))}
+    dec = [(r.predicted_e2e - r.predicted_ttft, r.output_tokens - 1) for r in ok
+           if r.output_tokens > 1]
+    if dec:
+        out["itl"] = sum(t for t, _ in dec) / sum(n for _, n in dec)
+    return out

@@ -16,12 +16,17 @@ from duetime.calibrate.validation import Record, error_stats, errors
 
 CSV_FIELDS = ("id", "load", "arrivals", "sent_s", "prompt_tokens", "output_tokens", "chunks",
               "ttft_s", "predicted_ttft_s", "corrected_ttft_s", "e2e_s", "predicted_e2e_s",
-              "error")
+              "error", "itl_s", "predicted_itl_s", "live_ttft_s")
+
+# per load: {"server": vLLM's histogram means over the load's runs, "replay": the replay's}
+ServerComparison = dict[float, dict[str, dict[str, float]]]
 
 
-def summarize(recs: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
+def summarize(recs: list[Record], meta: dict[str, Any],
+              server: ServerComparison | None = None) -> dict[str, Any]:
     """``summary.json``: errors as fractions (0.05 is 5%), pooled over all loads and per load
-    (and per load and arrival process)."""
+    (and per load and arrival process); with ``server``, each load's engine-side means (vLLM's
+    histograms against the replay's)."""
     loads = sorted({r.load for r in recs})
     out: dict[str, Any] = dict(meta)
     _errors_into(out, recs)
@@ -39,15 +44,31 @@ def summarize(recs: list[Record], meta: dict[str, Any]) -> dict[str, Any]:
         row["by_arrivals"] = {a: error_stats(errors([r for r in sub if r.arrivals == a],
                                                     "ttft"))
                               for a in sorted({r.arrivals for r in sub})}
+        cmp = (server or {}).get(load)
+        if cmp:
+            row["server"] = _server_row(cmp["server"], cmp["replay"])
         per[f"{load:g}"] = row
     out["per_load"] = per
     return out
 
 
+def _server_row(srv: dict[str, float], rep: dict[str, float]) -> dict[str, float | None]:
+    """The server's means (seconds), the replay's, and the replay's relative error."""
+    row: dict[str, float | None] = {}
+    for k in ("ttft", "itl", "queue"):
+        row[f"{k}_mean_s"] = srv.get(k)
+    for k in ("ttft", "itl"):
+        row[f"replay_{k}_mean_s"] = rep.get(k)
+        a, b = rep.get(k), srv.get(k)
+        row[f"{k}_mean_pct_error"] = a / b - 1 if a is not None and b else None
+    return row
+
+
 def _errors_into(out: dict[str, Any], recs: list[Record]) -> None:
     """The static model's TTFT and e2e errors, and the corrected TTFT's (``corrected_*``)."""
     for prefix, what, prediction in (("", "ttft", "predicted"), ("", "e2e", "predicted"),
-                                     ("corrected_", "ttft", "corrected")):
+                                     ("corrected_", "ttft", "corrected"),
+                                     ("", "itl", "predicted"), ("live_", "ttft", "live")):
         s = error_stats(errors(recs, what, prediction))
         out[f"{prefix}{what}_median_abs_pct_error"] = s["median_abs"]
         out[f"{prefix}{what}_mean_abs_pct_error"] = s["mean_abs"]
@@ -86,6 +107,32 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x * 1000:.1f} ms"
+
+
+def step_table(summary: dict[str, Any]) -> str:
+    """Per load: the batch-time error (each request's mean inter-token latency), vLLM's own
+    engine-side means against the replay's where the server exports them, and a gateway's live
+    forecasts where the URL is one (markdown)."""
+    lines = ["| load | ITL abs err p50 | ITL p90 | server ITL mean | replay ITL mean | ITL "
+             "mean err | server TTFT mean (engine) | replay TTFT mean (engine) | TTFT mean "
+             "err | server queue mean | live forecast abs err p50 | live p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [*summary["per_load"].items(), ("all", summary)]
+    for load, row in rows:
+        srv = row.get("server") or {}
+        lines.append(
+            f"| {load} | {_pct(row['itl_median_abs_pct_error'])} | "
+            f"{_pct(row['itl_p90_abs_pct_error'])} | {_ms(srv.get('itl_mean_s'))} | "
+            f"{_ms(srv.get('replay_itl_mean_s'))} | {_pct(srv.get('itl_mean_pct_error'))} | "
+            f"{_ms(srv.get('ttft_mean_s'))} | {_ms(srv.get('replay_ttft_mean_s'))} | "
+            f"{_pct(srv.get('ttft_mean_pct_error'))} | {_ms(srv.get('queue_mean_s'))} | "
+            f"{_pct(row['live_ttft_median_abs_pct_error'])} | "
+            f"{_pct(row['live_ttft_p90_abs_pct_error'])} |")
+    return "\n".join(lines)
+
+
 def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "results.csv").open("w", newline="") as f:
@@ -95,7 +142,8 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
             w.writerow([r.id, r.load, r.arrivals, f"{r.sent:.6f}", r.prompt_tokens,
                         r.output_tokens, r.chunks, f"{r.ttft:.6f}", f"{r.predicted_ttft:.6f}",
                         f"{r.corrected_ttft:.6f}", f"{r.e2e:.6f}", f"{r.predicted_e2e:.6f}",
-                        r.error or ""])
+                        r.error or "", f"{r.itl:.6f}", f"{r.predicted_itl:.6f}",
+                        f"{r.live_ttft:.6f}"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     _plots(out, recs)
     m = summary
@@ -112,6 +160,14 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
             "observed trace with the profile); `bias` is the median signed error (negative: "
             "the model predicts low); `corrected`: with the gateway's online correction, each "
             "prediction scaled by what the requests answered before it was sent taught.\n\n" + table(summary) + "\n\n"
+            "## Batch time, the engine and the gateway\n\n"
+            "`ITL`: each request's mean inter-token latency (its decode steps), replayed against "
+            "observed. `server`: vLLM's own histograms on `/metrics` over each load's runs "
+            "(engine side, from the server's arrival stamp: no client or HTTP), against the "
+            "replay's means without the request overhead. `live`: the forecast a duetime gateway "
+            "routed on (`x-duetime-forecast-ttft-ms`; only when URL is a gateway). n/a: not "
+            "exported by this server, or not in a recorded trace.\n\n"
+            + step_table(summary) + "\n\n"
             "![forecast vs observed](ttft_scatter.png)\n![error vs load](error_vs_load.png)\n")
     (out / "report.md").write_text(text)
 
