@@ -100,6 +100,7 @@ class VllmServer:
     enable_chunked_prefill: bool
     kv_events: str  # its KV-event publisher (ipc://...), and the replay endpoint
     kv_events_replay: str
+    engine_core: int = 0  # the CPU its engine's threads are bound to
     # `duetime calibrate` against this server (while idle, right after start): the pool YAML
     # keys batch_time, config and request_overhead_ms, and the fit's median |error| by kind
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -284,6 +285,7 @@ def _describe(proc: _Proc) -> VllmServer:
         enable_chunked_prefill=chunked is not None,
         kv_events=proc.kv_events,
         kv_events_replay=proc.kv_events_replay,
+        engine_core=proc.core,
     )
 
 
@@ -320,6 +322,36 @@ def _calibrate(server: VllmServer) -> VllmServer:
           f"fit median |error| prefill {errors['prefill']:.1%} decode {errors['decode']:.1%}",
           file=sys.stderr)
     return replace(server, calibration=entry, fit_error=errors)
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Bind every thread of process ``pid`` to ``cores`` (threads it starts later inherit it
+    from theirs); a thread that ended meanwhile is skipped."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.sched_setaffinity(int(task.name), cores)
+
+
+@contextlib.contextmanager
+def off_core(core: int, pids: list[int]) -> Iterator[None]:
+    """While inside: this thread and every thread of ``pids`` kept off ``core`` (an engine's),
+    so that a measurement of that engine is not one of this machine's contention; on a
+    one-core machine, nothing changes."""
+    every = set(os.sched_getaffinity(0))
+    others = every - {core}
+    if not others:
+        yield
+        return
+    os.sched_setaffinity(0, others)
+    for pid in pids:
+        pin(pid, others)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, every)
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                pin(pid, every)
 
 
 def _cores() -> list[int]:

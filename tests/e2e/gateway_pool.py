@@ -9,9 +9,18 @@ need with ``**overrides``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterable
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 # served model name -> a batch-time model by hand (seconds per engine step), from the measured
 # TTFT / ITL of the CPU servers (tiny-small: ~4 ms per step; tiny-large: ~18 ms per decode step,
@@ -73,3 +82,44 @@ def pool_config(vllm_pool: Iterable[Any], **overrides: Any) -> dict[str, Any]:
     }
     cfg.update(overrides)
     return cfg
+
+
+@contextlib.contextmanager
+def serve(cfg: dict[str, Any], folder: Path, start_timeout_s: float = 120.0
+          ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``duetime serve`` over the pool ``cfg`` in a process of its own (its YAML written in
+    ``folder``): yields the process and its URL; stopped with SIGTERM on the way out."""
+    path = folder / "pool.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    proc = subprocess.Popen([sys.executable, "-m", "duetime", "serve", "--config", str(path),
+                             "--port", "0", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    found: list[str] = []
+    seen: list[str] = []
+
+    def read() -> None:  # (reads all its output, so that it never blocks on a full pipe)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not found:
+                seen.append(line)
+                m = re.search(r"listening on (http://\S+)", line)
+                if m:
+                    found.append(m.group(1))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        t_end = time.monotonic() + start_timeout_s
+        while not found and proc.poll() is None and time.monotonic() < t_end:
+            time.sleep(0.05)
+        if not found:
+            raise RuntimeError(f"duetime serve did not start: {''.join(seen)[-2000:]}")
+        yield proc, found[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

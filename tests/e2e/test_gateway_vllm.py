@@ -7,14 +7,12 @@ weights: requests use ``temperature: 0`` and ``ignore_eos: true`` so that output
 exact and outputs repeatable; long prompts are lists of token ids (the gateway counts those
 exactly; a fresh random list per request would keep a prefix cache out of the timings, should
 the servers run with one). Timing is never asserted tightly: where a test depends on how fast
-the servers are, it measures that first. ``test_report_forecast_fidelity`` prints forecast vs
-observed TTFT (run with ``-s`` to see it).
+the servers are, it measures that first. Forecast fidelity is asserted in ``test_fidelity``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -24,7 +22,6 @@ import random
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -708,90 +705,3 @@ def test_cli_serve_over_real_vllm_and_sigint(vllm_pool, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10.0)
-
-
-# -- 9. forecast fidelity (a report) ---------------------------------------------------------------
-
-def test_report_forecast_fidelity(gateway):
-    """A report: the gateway's TTFT forecasts against what it then observed, on the two real vLLM
-    servers with their calibrated models. Two phases: 20 requests one at a time (the forecast's
-    own error: calibration, prompt counts, the shadow replica) and 20 in waves of 5 (queueing on
-    one instance, and the two servers, the gateway and this client sharing two CPU cores, which no
-    batch-time model of an instance can know). Asserts only that the forecasts exist, are finite
-    and are counted; prints per phase and instance the client-side ratio observed / forecast
-    (observed from the send, so it includes the gateway and HTTP) and the gateway-side mean
-    error (duetime_forecast_ttft_error_sum_seconds / _count: decision to first chunk)."""
-    plan: list[tuple[str, int]] = []  # (model, prompt tokens), one at a time
-    for n in (16, 64, 256, 512, 1024):
-        plan += [("auto", n), ("auto", n), ("tiny-small", n)]
-    plan += [("tiny-large", n) for n in (16, 64, 128, 256, 512)]
-    waves = [[("auto", n) for n in (16, 64, 256, 512, 1024)],  # 5 at a time
-             [("tiny-large", n) for n in (16, 32, 64, 128, 256)],
-             [("auto", n) for n in (32, 128, 384, 768, 1024)],
-             [("tiny-small", n) for n in (16, 256, 512, 768, 1024)]]
-    # the prompts are made here, on this thread (fresh_ids is not thread-safe)
-    bodies = [[completion_body(fresh_ids(n), 4, model=m) for m, n in group]
-              for group in [plan, *waves]]
-
-    # one keep-alive client (thread-safe), warmed up: no connect in the measured TTFTs
-    shared = httpx.Client(base_url=gateway.url, timeout=TIMEOUT,
-                          limits=httpx.Limits(max_keepalive_connections=8))
-
-    def one(body: dict[str, Any]) -> dict[str, Any]:
-        ttft, r, text = stream_ttft(shared, "", body)
-        assert r.status_code == 200, text
-        return {"instance": r.headers["x-duetime-instance"], "n": len(body["prompt"]),
-                "forecast_ms": forecast_ms(r), "observed_ms": ttft * 1000}
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=5) as ex:
-        list(ex.map(lambda _: shared.get("/health").status_code, range(10), timeout=60))
-    t0 = time.monotonic()
-    scrapes = [scrape(gateway.url)]
-    phases = {"one at a time": [one(b) for b in bodies[0]]}
-    scrapes.append(scrape(gateway.url))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=5) as ex:
-        phases["5 at a time"] = [r for group in bodies[1:]
-                                 for r in ex.map(one, group, timeout=120)]
-    scrapes.append(scrape(gateway.url))
-    elapsed = time.monotonic() - t0
-    shared.close()
-
-    assert sum(len(rs) for rs in phases.values()) >= 40
-    lines = [f"\nforecast fidelity: 40 requests in {elapsed:.1f} s (calibrated paper4 models; "
-             "ratio = observed / forecast TTFT, client side; gw bias = gateway-side mean "
-             "observed - forecast)",
-             f"{'phase':<14} {'instance':<8} {'n':>3} {'fcst p50':>9} {'obs p50':>8} "
-             f"{'ratio p10':>9} {'p50':>5} {'p90':>6} {'|obs/fcst-1| p50':>16} "
-             f"{'gw bias ms':>10}"]
-    for k, (phase, rows) in enumerate(phases.items()):
-        before, after = scrapes[k], scrapes[k + 1]
-        for inst in sorted({r["instance"] for r in rows}):
-            rs = [r for r in rows if r["instance"] == inst]
-            ratios = sorted(r["observed_ms"] / r["forecast_ms"] for r in rs)
-            q = statistics.quantiles(ratios, n=10) if len(ratios) > 1 else ratios * 9
-
-            def d(name: str, inst: str = inst, before=before, after=after) -> float:
-                return sample(after, name, instance=inst) - sample(before, name, instance=inst)
-
-            cnt = d("duetime_forecast_ttft_error_seconds_count")
-            assert cnt == len(rs) == d("duetime_forecast_ttft_ratio_count"), (inst, cnt)
-            bias_ms = d("duetime_forecast_ttft_error_sum_seconds") / cnt * 1000
-            assert math.isfinite(bias_ms)
-            lines.append(
-                f"{phase:<14} {inst:<8} {len(rs):>3} "
-                f"{statistics.median(r['forecast_ms'] for r in rs):>9.1f} "
-                f"{statistics.median(r['observed_ms'] for r in rs):>8.1f} "
-                f"{q[0]:>9.2f} {statistics.median(ratios):>5.2f} {q[-1]:>6.2f} "
-                f"{statistics.median(abs(x - 1) for x in ratios):>16.0%} {bias_ms:>+10.1f}")
-    lines.append("one at a time, by prompt length (instance: median observed / forecast ms):")
-    rows = phases["one at a time"]
-    for n in sorted({r["n"] for r in rows}):
-        parts = []
-        for inst in sorted({r["instance"] for r in rows}):
-            rs = [r for r in rows if r["n"] == n and r["instance"] == inst]
-            if rs:
-                parts.append(f"{inst} {statistics.median(r['observed_ms'] for r in rs):.0f}/"
-                             f"{statistics.median(r['forecast_ms'] for r in rs):.0f} "
-                             f"(x{len(rs)})")
-        lines.append(f"  {n:>5} tokens: " + ", ".join(parts))
-    print("\n".join(lines))
