@@ -11,12 +11,13 @@ the model, not this machine's contention:
   online correction on): each answer's forecast header against the TTFT its client saw.
 
 The tolerances come from the harness's own numbers on the machine this suite was built on
-(docs/gateway.md, "Validating"): over five runs of ``benchmarks/validate_vllm.py`` and of this
-test, the static model's pooled median |error| was 9.3-15.1% and its p90 23-39%; the live
-forecasts' median 8.5-12.4% (the target is 15%). Each tolerance is the worst of those with a
-third more room (20%, 50%; live 17%), widened where this machine is noisier than that one: by
-a multiple of the spread of identical lone requests, measured first (``machine_noise``; 2.0-3.6%
-there). A profile twice off (a ~50% error) fails.
+(docs/gateway.md, "Validating"). Over seven runs of ``benchmarks/validate_vllm.py``,
+``calibration_spread.py`` and this test, the pooled median |error| and p90 were 9.3-18.5% and
+23-44% for the static model, 7.2-13.0% and 19-34% with the online correction (the issue's
+targets, 10% and 30%, are for that), and the live forecasts' median 8.5-12.4% (target 15%).
+Each tolerance is the worst of those with a third more room, widened where this machine is
+noisier than that one by a multiple of the spread of identical lone requests, measured first
+(``machine_noise``; 1.3-3.6% there). A profile twice off (a ~50% error) fails.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from .gateway_pool import instance_config, pool_config, serve
 
 pytestmark = pytest.mark.e2e
 
-HARNESS_MEDIAN, HARNESS_P90 = 0.20, 0.50  # pooled |error| of duetime validate
+STATIC_MEDIAN, STATIC_P90 = 0.25, 0.60  # pooled |error| of duetime validate's replay
+CORRECTED_MEDIAN, CORRECTED_P90 = 0.17, 0.45  # the same with the online correction
 LIVE_MEDIAN = 0.17  # live gateway forecasts at five concurrent clients
 NOISE_FACTOR_MEDIAN, NOISE_FACTOR_P90 = 4.0, 10.0  # how much the machine's noise widens them
 
@@ -93,23 +95,26 @@ def test_forecast_fidelity_is_within_tolerance(large, vllm_pool, tmp_path):
         noise = machine_noise(large)
         harness = _harness(large, tmp_path)
         live = _live(large, vllm_pool, tmp_path)
-    tol_median = max(HARNESS_MEDIAN, NOISE_FACTOR_MEDIAN * noise)
-    tol_p90 = max(HARNESS_P90, NOISE_FACTOR_P90 * noise)
-    tol_live = max(LIVE_MEDIAN, NOISE_FACTOR_MEDIAN * noise)
+    def tol(median: float, p90: float) -> tuple[float, float]:
+        return (max(median, NOISE_FACTOR_MEDIAN * noise), max(p90, NOISE_FACTOR_P90 * noise))
+
+    got = {k: (harness[f"{k}ttft_median_abs_pct_error"], harness[f"{k}ttft_p90_abs_pct_error"])
+           for k in ("", "corrected_")}
+    tols = {"": tol(STATIC_MEDIAN, STATIC_P90),
+            "corrected_": tol(CORRECTED_MEDIAN, CORRECTED_P90)}
+    tol_live = tol(LIVE_MEDIAN, 1.0)[0]
     print(f"\nforecast fidelity on tiny-large (machine noise {noise:.1%}):\n"
-          f"  harness: |error| median {harness['ttft_median_abs_pct_error']:.1%} "
-          f"(tolerance {tol_median:.1%}), p90 {harness['ttft_p90_abs_pct_error']:.1%} "
-          f"(tolerance {tol_p90:.1%}); corrected "
-          f"{harness['corrected_ttft_median_abs_pct_error']:.1%} / "
-          f"{harness['corrected_ttft_p90_abs_pct_error']:.1%}; per load "
-          + ", ".join(f"{k}: {v['ttft_median_abs_pct_error']:.1%}"
-                      for k, v in harness["per_load"].items())
+          + "".join(f"  harness{' ' + k[:-1] if k else ''}: |error| median {got[k][0]:.1%} "
+                    f"(tolerance {tols[k][0]:.1%}), p90 {got[k][1]:.1%} (tolerance "
+                    f"{tols[k][1]:.1%})\n" for k in got)
+          + "  per load: " + ", ".join(f"{k}: {v['ttft_median_abs_pct_error']:.1%}"
+                                       for k, v in harness["per_load"].items())
           + f"\n  live, 5 clients through the gateway: |error| median {live['median']:.1%} "
           f"(tolerance {tol_live:.1%}), p90 {live['p90']:.1%}, bias {live['bias']:+.1%}, "
           f"{live['n']} requests")
     assert harness["failed"] == 0
-    assert harness["ttft_median_abs_pct_error"] <= tol_median, harness
-    assert harness["ttft_p90_abs_pct_error"] <= tol_p90, harness
+    for k in got:
+        assert got[k][0] <= tols[k][0] and got[k][1] <= tols[k][1], (k, got, tols)
     assert live["median"] <= tol_live, live
 
 
