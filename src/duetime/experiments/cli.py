@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from duetime.argtypes import key_value
+from duetime.argtypes import key_value, positive_int
 from duetime.experiments import report as rp
 from duetime.experiments.catalog import EXPERIMENTS, run_experiment
 from duetime.experiments.runner import Point, Runner
@@ -82,6 +82,8 @@ def _cmd_experiment(args: argparse.Namespace, error: type[Exception]) -> int:
 def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     try:
         profile = load_workload(args.workload)
+        if args.replicas is not None:
+            profile = profile.with_replicas(args.replicas)
     except ProfileError as e:
         raise error(str(e)) from None
     replay = args.trace or args.mooncake
@@ -201,6 +203,9 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--workload", default="paper", metavar="NAME|FILE",
                    help=f"a built-in workload ({', '.join(builtin_profiles())}) or a YAML "
                    "profile (default paper)")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="N instances of every model of the workload (default: the profile's "
+                   "replicas, one each unless it says)")
     p.add_argument("--arrivals", default="poisson", choices=["poisson", "mmpp2", "deterministic"],
                    help="arrival process (default poisson)")
     p.add_argument("--delta", type=float, default=1e-6,

@@ -127,8 +127,9 @@ class ClusterSim:
                  shadow_estimators: tuple[Estimator, ...] = (),
                  length_model: LengthModel | None = None,
                  prefix_caching: bool | None = None, cache_view: str = "precise") -> None:
-        """``instances``: (instance name, model name) pairs; default one per model (several
-        pairs may name one model: replicas).
+        """``instances``: (instance name, model name) pairs; default the profile's
+        (:meth:`~duetime.workload.profile.WorkloadProfile.instance_pairs`: one per model, or
+        its ``replicas``; several pairs may name one model).
         ``quality``: ``table`` (per-task mean accuracy), ``oracle`` (the truth), or any
         :class:`~duetime.predict.QualitySource` (asked with each request's task and id).
         ``length_model``: predicted output lengths, (requests, rng) -> (n, models) array; by
@@ -144,7 +145,7 @@ class ClusterSim:
         check_cache_view(cache_view)
         self.profile = profile
         self.policy = policy
-        pairs = instances or [(m, m) for m in profile.model_names]
+        pairs = instances or profile.instance_pairs()
         for _, m in pairs:
             if m not in profile.models:
                 raise ValueError(f"instance model {m!r} is not in the workload profile "

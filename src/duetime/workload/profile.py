@@ -7,7 +7,8 @@ any path works). Errors name the file and the field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -75,10 +76,31 @@ class WorkloadProfile:
     tasks: dict[str, TaskSpec]
     quality_concentration: float
     target: TargetRule
+    # model name -> instances of it in the pool (replicas; absent: one)
+    replicas: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def model_names(self) -> list[str]:
         return list(self.models)
+
+    def instance_pairs(self) -> list[tuple[str, str]]:
+        """The pool's (instance name, model name) pairs: a model of one replica is one
+        instance of its own name; ``r`` replicas are ``model.0`` .. ``model.{r-1}``."""
+        out = []
+        for m in self.models:
+            r = self.replicas.get(m, 1)
+            out += [(m, m)] if r == 1 else [(f"{m}.{k}", m) for k in range(r)]
+        return out
+
+    def with_replicas(self, replicas: int | Mapping[str, int]) -> WorkloadProfile:
+        """The same workload over a pool of ``replicas`` instances of every model (or per
+        model, a mapping)."""
+        per = ({m: int(replicas) for m in self.models} if isinstance(replicas, int)
+               else {**self.replicas, **replicas})
+        bad = {m: r for m, r in per.items() if m not in self.models or r < 1}
+        if bad:
+            raise ProfileError(f"replicas: need >= 1 of a model of the profile, got {bad}")
+        return replace(self, replicas=per)
 
     @property
     def task_names(self) -> list[str]:
@@ -177,10 +199,18 @@ def profile_from_dict(d: Any, source: str = "profile") -> WorkloadProfile:
             tuple(tt.get("clip_ms", (150.0, 1120.0))))
     except (TypeError, ValueError) as e:
         raise ProfileError(f"{source}: ttft_target: {e}") from None
+    replicas = {}
+    for m, v in models_d.items():
+        r = v.get("replicas", 1)
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ProfileError(f"{source}: models.{m}.replicas: must be an integer >= 1, "
+                               f"got {r!r}")
+        if r != 1:
+            replicas[str(m)] = r
     return WorkloadProfile(str(d.get("name", source)), _num(d, "lambda", source, lo=0)
                            if "lambda" in d else 5.0e-4, models, tasks,
                            _num(d, "quality_concentration", source, lo=0.1)
-                           if "quality_concentration" in d else 8.0, target)
+                           if "quality_concentration" in d else 8.0, target, replicas)
 
 
 def builtin_profiles() -> list[str]:

@@ -1,0 +1,121 @@
+"""Pools with replicas: the workload setting, and the latency routers' choice among replicas
+of equal utility (by forecast, not by position)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from duetime.cli import main
+from duetime.engine import Paper4, ResidentRequest, SchedulerConfig, Snapshot
+from duetime.estimate import InstanceStats
+from duetime.policy import Candidate, RoutingRequest, make_policy
+from duetime.sim import ClusterSim
+from duetime.workload import (
+    Poisson,
+    ProfileError,
+    load_workload,
+    profile_from_dict,
+    sample_requests,
+)
+
+CFG = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, block_size=16)
+MODEL = Paper4(b0=0.01, b1=1e-4, b2=0.0, b3=0.0)
+
+
+class View:
+    def __init__(self, waiting: int) -> None:
+        self.num_running, self.num_waiting, self.kv_usage = 0, waiting, 0.0
+        self.stats = InstanceStats()
+        self.request_overhead_s = 0.0
+        self._snap = Snapshot(CFG, MODEL, time=0.0, waiting=[
+            ResidentRequest(f"w{i}", 400, 0, 0, 10) for i in range(waiting)])
+
+    def snapshot(self) -> Snapshot:
+        return self._snap
+
+
+def replicas(queues: list[int]) -> list[Candidate]:
+    """Replicas of one model at one price (equal utility), with these queues."""
+    return [Candidate(f"m.{k}", "m", 1.0, 1.0, View(q)) for k, q in enumerate(queues)]
+
+
+def request(n: int, target: float) -> RoutingRequest:
+    return RoutingRequest("r", 100, np.full(n, 0.8), np.full(n, 10), target)
+
+
+@pytest.mark.parametrize("policy", ["sfs", "throughput"])
+def test_replicas_are_chosen_by_forecast_not_by_position(policy: str) -> None:
+    """The first replica by position meets the target but holds the longest queue: the least
+    forecast among all (the default) wins, and among a sample of two the winner is never the
+    most loaded one once both sampled meet the target."""
+    cands = replicas([3, 1, 0, 2])
+    for s in range(10):
+        assert make_policy(policy, {"seed": s}).choose(request(4, 10.0), cands, 0.0).index == 2
+    picks = {make_policy(policy, {"seed": s, "replica_sample": 2}).choose(
+        request(4, 10.0), cands, 0.0).index for s in range(40)}
+    assert 0 not in picks and picks <= {1, 2, 3} and len(picks) > 1
+
+
+def test_a_sample_that_misses_the_target_goes_on_to_the_rest() -> None:
+    """Only the idle replica meets a tight target: it is found whatever the sample drew."""
+    cands = replicas([5, 5, 0, 5, 5])
+    for s in range(20):
+        d = make_policy("sfs", {"seed": s, "replica_sample": 1}).choose(request(5, 0.05),
+                                                                         cands, 0.0)
+        assert d.index == 2 and d.forecast <= 0.05
+
+
+def test_distinct_models_keep_the_papers_order() -> None:
+    """Candidates of different utility: the best feasible one, as before (no sampling)."""
+    cands = [Candidate(f"i{k}", f"m{k}", 1.0, 1.0, View(q)) for k, q in enumerate([0, 2, 0])]
+    r = RoutingRequest("r", 100, np.array([0.5, 0.9, 0.7]), np.full(3, 10), 10.0)
+    assert make_policy("sfs").choose(r, cands, 0.0).index == 1
+
+
+def test_replicas_in_a_workload_profile(tmp_path) -> None:
+    prof = load_workload("paper")
+    assert prof.instance_pairs() == [(m, m) for m in prof.model_names]
+    three = prof.with_replicas(3)
+    pairs = three.instance_pairs()
+    assert len(pairs) == 9 and pairs[:3] == [("qwen3-0.6b.0", "qwen3-0.6b"),
+                                             ("qwen3-0.6b.1", "qwen3-0.6b"),
+                                             ("qwen3-0.6b.2", "qwen3-0.6b")]
+    d = {"models": {"a": {"profile": "qwen3-8b", "replicas": 2,
+                          "price_usd_per_mtok": {"prompt": 0.1, "output": 0.2}},
+                    "b": {"profile": "qwen3-0.6b",
+                          "price_usd_per_mtok": {"prompt": 0.1, "output": 0.2}}},
+         "tasks": {"t": {"share": 1, "prompt_tokens": {"median": 50, "sigma": 0.5, "min": 8,
+                                                        "max": 200},
+                         "output_tokens": {"median": 50, "sigma": 0.5, "min": 8, "max": 200},
+                         "accuracy": {"a": 0.8, "b": 0.5}}}}
+    p = profile_from_dict(d)
+    assert p.instance_pairs() == [("a.0", "a"), ("a.1", "a"), ("b", "b")]
+    d["models"]["a"]["replicas"] = 0
+    with pytest.raises(ProfileError, match=r"models\.a\.replicas: must be an integer >= 1"):
+        profile_from_dict(d)
+    with pytest.raises(ProfileError, match="replicas"):
+        prof.with_replicas({"nope": 2})
+
+
+def test_the_simulator_runs_the_profiles_replicas() -> None:
+    prof = load_workload("paper").with_replicas(2)
+    rng = np.random.default_rng(0)
+    reqs = sample_requests(prof, Poisson(12.0).times(300, rng), rng)
+    res = ClusterSim(prof, make_policy("sfs")).run(reqs)
+    assert res.instance_names == [n for n, _ in prof.instance_pairs()]
+    share = np.bincount(res.instance, minlength=6) / len(reqs)
+    # replicas of one model share its load (not the first of them taking all it can)
+    for k in range(0, 6, 2):
+        a, b = share[k], share[k + 1]
+        if a + b > 0.1:
+            assert min(a, b) / (a + b) > 0.25, share
+
+
+def test_simulate_replicas_flag(tmp_path, capsys) -> None:
+    out = tmp_path / "sim"
+    assert main(["simulate", "--policy", "sfs", "--rate", "4", "--requests", "40",
+                 "--replicas", "2", "--out", str(out)]) == 0
+    assert main(["simulate", "--policy", "sfs", "--rate", "4", "--requests", "40",
+                 "--replicas", "0", "--out", str(out)]) == 2
+    assert "--replicas" in capsys.readouterr().err
