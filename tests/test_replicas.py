@@ -119,3 +119,73 @@ def test_simulate_replicas_flag(tmp_path, capsys) -> None:
     assert main(["simulate", "--policy", "sfs", "--rate", "4", "--requests", "40",
                  "--replicas", "0", "--out", str(out)]) == 2
     assert "--replicas" in capsys.readouterr().err
+
+
+# -- the lower bound that lets a decision skip forecasts -------------------------------------------
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("model", ["paper4", "sfs6"])
+def test_the_first_token_floor_never_exceeds_the_forecast(caching: bool, model: str) -> None:
+    """Random engine states (running, waiting, chunked prefills, decoders), random probes:
+    the cheap floor is at or below the engine's own forecast from its snapshot."""
+    from dataclasses import replace
+
+    from duetime.engine.batch_time import Sfs6
+    from duetime.engine.compiled import Engine
+    from duetime.engine.forecasting import ForecastError, forecast
+    from duetime.engine.profiles import load_profile
+
+    spec = load_profile("qwen3-8b")
+    bt = spec.batch_time if model == "paper4" else Sfs6(c0=0.012, cp=4e-5, cpsq=1e-10,
+                                                        cd=2e-4, cs=1e-7, css=1e-11)
+    cfg = replace(spec.config, enable_prefix_caching=caching)
+    rng = np.random.default_rng(1)
+    checked = 0
+    for case in range(60):
+        eng = Engine(cfg, bt)
+        t = 0.0
+        for k in range(int(rng.integers(0, 40))):
+            t += float(rng.exponential(0.02))
+            eng.run_until(t)
+            eng.add(f"r{k}", int(rng.integers(1, 6000)), int(rng.integers(1, 400)), arrival=t)
+        eng.run_until(t + float(rng.exponential(0.05)))
+        snap = eng.snapshot()
+        for p in (1, 16, int(rng.integers(1, 9000))):
+            try:
+                est = forecast(snap, p).estimate_s
+            except ForecastError:
+                continue
+            floor = eng.first_token_floor(p) - snap.time
+            assert floor <= est + 1e-12, (case, p, floor, est)
+            checked += 1
+    assert checked > 100
+
+
+def test_bounded_decisions_equal_forecasting_every_replica() -> None:
+    """sfs over 30 replicas, with the bound and without it (an estimator without one): the
+    same decisions, with a fraction of the forecasts."""
+    from duetime.estimate import SfsEstimator
+
+    class Counting:
+        name = "sfs"
+
+        def __init__(self, bounded: bool) -> None:
+            self.inner, self.calls = SfsEstimator(), 0
+            if bounded:
+                self.ttft_lower_bound = self.inner.ttft_lower_bound
+
+        def ttft(self, *a, **kw):
+            self.calls += 1
+            return self.inner.ttft(*a, **kw)
+
+    prof = load_workload("paper").with_replicas(10)
+    rng = np.random.default_rng(3)
+    reqs = sample_requests(prof, Poisson(86.0).times(1500, rng), rng)
+    runs = {}
+    for bounded in (True, False):
+        pol = make_policy("sfs")
+        pol.estimator = Counting(bounded)
+        runs[bounded] = (ClusterSim(prof, pol).run(reqs).instance, pol.estimator.calls)
+    assert np.array_equal(runs[True][0], runs[False][0])
+    print(f"forecasts: {runs[True][1]} with the bound, {runs[False][1]} without")
+    assert runs[True][1] < 0.6 * runs[False][1], (runs[True][1], runs[False][1])

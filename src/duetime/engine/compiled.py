@@ -154,6 +154,7 @@ class Engine:
         self._clock = np.array([float(time)])
         self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
+        self._floor_w = self._floor_weights()
         self._work = np.zeros((2, n), dtype=np.int64)
         self._out = np.zeros(kn.OUT_SIZE, dtype=np.int64)
         # prefix caching: the block pool and the arenas of blocks and known keys (kernel doc)
@@ -273,6 +274,31 @@ class Engine:
         n = self._wq.shape[0]
         h, c = int(self._st[kn.WH]), int(self._st[kn.WC])
         return self._wq[(h + np.arange(c)) % n] if c else np.zeros(0, dtype=np.int64)
+
+    def _floor_weights(self) -> tuple[float, float]:
+        """(fixed, per prefill token) weights of :meth:`first_token_floor`; NaN if any weight
+        of the model is negative (then no floor holds)."""
+        w = self._w
+        return (math.nan, math.nan) if (w < 0).any() else (float(w[0]), float(w[2]))
+
+    def first_token_floor(self, prompt_tokens: int) -> float:
+        """A time before which a request of ``prompt_tokens`` added now cannot get its first
+        token (a lower bound of what a forecast from this engine's snapshot says; cheap: no
+        snapshot, no replay). Under FCFS every prefill token of the requests ahead is
+        scheduled before or with the probe's last chunk, each step takes at most the token
+        budget, and costs at least its fixed part plus its prefill tokens' part (the other
+        terms are not negative). With prefix caching any prompt may be cached but its last
+        token: one token, nothing ahead. A model with a negative weight bounds nothing."""
+        w0, w_pre = self._floor_w
+        if math.isnan(w0):
+            return -math.inf
+        if self.caching:
+            tokens = 1
+        else:
+            tokens = max(prompt_tokens, 1) + kn.prefill_backlog(self._req, self._run, self._wq,
+                                                                  self._st)
+        steps = -(-tokens // self.config.max_num_batched_tokens)
+        return self._clock[0] + steps * w0 + tokens * w_pre
 
     # -- clock ----------------------------------------------------------------------------------
 
@@ -629,6 +655,7 @@ class Engine:
         while it runs). The step in flight keeps the duration it was given."""
         self.model = model
         self._w = np.array(model.weights, dtype=np.float64)
+        self._floor_w = self._floor_weights()
         self._changed()
 
     def cache_store(self, hashes: Sequence[int] | np.ndarray) -> int:

@@ -540,6 +540,23 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, 
 
 
 @njit(cache=True, nogil=True)
+def prefill_backlog(req, run, wq, st):  # pragma: no cover - jit
+    """Prompt tokens not yet computed over the running requests and the waiting queue."""
+    total = 0
+    for k in range(st[NRUN]):
+        left = req[run[k], PROMPT] - req[run[k], COMP]
+        if left > 0:
+            total += left
+    n = wq.shape[0]
+    for k in range(st[WC]):
+        r = wq[(st[WH] + k) % n]
+        left = req[r, PROMPT] - req[r, COMP]
+        if left > 0:
+            total += left
+    return total
+
+
+@njit(cache=True, nogil=True)
 def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, undo,
               t_limit, stop_on_finish, noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after

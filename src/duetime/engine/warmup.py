@@ -33,6 +33,7 @@ def warm_up() -> None:
     eng.run_until(1.0)
     eng.add("c", 10, 2)
     forecast(eng.snapshot(), 64)
+    eng.first_token_floor(64)
     eng.abort("c")
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=64, enable_prefix_caching=True)
     ce = Engine(cfg, model, retain_finished=False)

@@ -35,6 +35,15 @@ class SfsEstimator:
             return float("inf")
         return (est + (snap.time - now) + view.request_overhead_s) * correction_factor(view)
 
+    def ttft_lower_bound(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
+        """A bound :meth:`ttft` cannot go below, without a forecast: from the view's
+        ``first_token_floor`` (its engine's, when the view has one; else 0). A router skips
+        the forecasts of candidates whose bound already loses."""
+        floor = getattr(view, "first_token_floor", None)
+        if floor is None:
+            return 0.0
+        return (floor(prompt_tokens) - now + view.request_overhead_s) * correction_factor(view)
+
     def e2e(self, view: InstanceView, prompt_tokens: int, output_tokens: int,
             now: float, *, hashes: PromptHashes | None = None) -> float:
         """Seconds from ``now`` until a new request of ``output_tokens`` output tokens finishes

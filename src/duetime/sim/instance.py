@@ -47,6 +47,11 @@ class SimInstance:
     def snapshot(self) -> Snapshot:
         return self.engine.snapshot()
 
+    def first_token_floor(self, prompt_tokens: int) -> float:
+        """See :meth:`duetime.engine.compiled.Engine.first_token_floor` (what a router may
+        skip a forecast with)."""
+        return self.engine.first_token_floor(prompt_tokens)
+
     @property
     def stats(self) -> InstanceStats:
         """Averages over the instance's last ``STATS_WINDOW`` requests, as seen at ``now``."""
