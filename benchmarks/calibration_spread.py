@@ -67,56 +67,51 @@ def main() -> None:
 
     from tests.e2e import conftest as fx
 
-    from duetime.calibrate import calibrate, fit
+    from duetime.calibrate import CalibrationError, calibrate, fit
     from duetime.engine.config import SchedulerConfig
     from duetime.engine.spec import resolve_spec
 
-    python = fx.find_vllm_python()
-    if python is None or not python.exists():
-        raise SystemExit(f"calibration_spread: no vLLM venv ({fx.SETUP_HINT})")
-    dirs = fx._build_models(python, REPO / ".cache" / "vllm-models")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(
         prefix=f"spread-{args.model}-", dir=REPO / ".cache"))
     out.mkdir(parents=True, exist_ok=True)
     fits: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = fx._Proc(args.model, fx.MODELS[args.model], dirs[args.model], fx._free_port(),
-                        0, Path(tmp) / "server.log")
-        try:
-            proc.start(python)
-            fx._wait_healthy([proc], fx.START_TIMEOUT_S)
-            server = fx._describe(proc)
-            cfg = SchedulerConfig(max_num_batched_tokens=server.max_num_batched_tokens,
-                                  max_num_seqs=server.max_num_seqs,
-                                  max_model_len=server.max_model_len,
-                                  block_size=server.block_size,
-                                  num_gpu_blocks=server.num_gpu_blocks,
-                                  long_prefill_token_threshold=0)
-            for k in range(args.calibrations):
-                cal = asyncio.run(calibrate(server.base_url, server.name, cfg, reps=2, seed=k))
-                for name in MODELS:
-                    c = cal if name == "paper4" else fit(cal.samples, cfg, name)
-                    fits.append({"calibration": k, "model": name,
-                                 "coefficients": c.model.coefficients,
-                                 "overhead_ms": c.request_overhead_s * 1000,
-                                 "fit_prefill": statistics.median(
-                                     abs(e) for e in c.errors("prefill")),
-                                 "fit_decode": statistics.median(
-                                     abs(e) for e in c.errors("decode")),
-                                 "entry": c.instance_entry()})
-                    print(f"calibration {k} {name}: {c.model.coefficients}, overhead "
-                          f"{c.request_overhead_s * 1000:.2f} ms", file=sys.stderr)
-            profile = out / "profile.yaml"
-            profile.write_text(yaml.safe_dump(fits[0]["entry"], sort_keys=False))
-            cmd = [sys.executable, "-m", "duetime", "validate", server.base_url, "--model",
-                   server.name, "--profile", str(profile), "--out", str(out / "trace"),
-                   "--loads", args.loads, "--requests", str(args.requests), "--quiet"]
-            print("calibration_spread: " + " ".join(cmd[2:]), file=sys.stderr)
-            assert proc.popen is not None
-            with fx.off_core(0, [proc.popen.pid]):  # (the client off the engine's core)
-                subprocess.run(cmd, check=True)
-        finally:
-            proc.stop()
+    with fx.one_server(args.model, "calibration_spread") as server:
+        cfg = SchedulerConfig(max_num_batched_tokens=server.max_num_batched_tokens,
+                              max_num_seqs=server.max_num_seqs,
+                              max_model_len=server.max_model_len,
+                              block_size=server.block_size,
+                              num_gpu_blocks=server.num_gpu_blocks,
+                              long_prefill_token_threshold=0)
+        for k in range(args.calibrations):
+            for attempt in range(fx.CALIBRATION_ATTEMPTS):  # (as the e2e fixture: a busy
+                try:                                         # moment fails a probe at times)
+                    cal = asyncio.run(calibrate(server.base_url, server.name, cfg, reps=2,
+                                                seed=k))
+                    break
+                except CalibrationError as e:
+                    if attempt + 1 == fx.CALIBRATION_ATTEMPTS:
+                        raise
+                    print(f"calibration {k} failed ({e}); again", file=sys.stderr)
+            for name in MODELS:
+                c = cal if name == "paper4" else fit(cal.samples, cfg, name)
+                fits.append({"calibration": k, "model": name,
+                             "coefficients": c.model.coefficients,
+                             "overhead_ms": c.request_overhead_s * 1000,
+                             "fit_prefill": statistics.median(
+                                 abs(e) for e in c.errors("prefill")),
+                             "fit_decode": statistics.median(
+                                 abs(e) for e in c.errors("decode")),
+                             "entry": c.instance_entry()})
+                print(f"calibration {k} {name}: {c.model.coefficients}, overhead "
+                      f"{c.request_overhead_s * 1000:.2f} ms", file=sys.stderr)
+        profile = out / "profile.yaml"
+        profile.write_text(yaml.safe_dump(fits[0]["entry"], sort_keys=False))
+        cmd = [sys.executable, "-m", "duetime", "validate", server.base_url, "--model",
+               server.name, "--profile", str(profile), "--out", str(out / "trace"),
+               "--loads", args.loads, "--requests", str(args.requests), "--quiet"]
+        print("calibration_spread: " + " ".join(cmd[2:]), file=sys.stderr)
+        with fx.off_core(server.engine_core, [server.pid]):  # (the client off the engine's)
+            subprocess.run(cmd, check=True)
 
     trace_csv = out / "trace" / "results.csv"
     for f in fits:

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--gateway", action="store_true",
                     help="drive the server through a duetime gateway (live forecasts)")
     ap.add_argument("--out", default=None, help="report folder (default: a temporary one "
-                    "under .cache/validate)")
+                    "under .cache)")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- duetime validate options")
     args = ap.parse_args()
     rest = [a for a in args.rest if a != "--"] or ["--loads", "0.25,0.5,0.75",
@@ -44,39 +44,26 @@ def main() -> None:
     from tests.e2e import conftest as fx
     from tests.e2e.gateway_pool import instance_config, pool_config, serve
 
-    python = fx.find_vllm_python()
-    if python is None or not python.exists():
-        raise SystemExit(f"validate_vllm: no vLLM venv ({fx.SETUP_HINT})")
-    dirs = fx._build_models(python, REPO / ".cache" / "vllm-models")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(
         prefix=f"{args.model}-", dir=REPO / ".cache"))
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        proc = fx._Proc(args.model, fx.MODELS[args.model], dirs[args.model], fx._free_port(),
-                        0, Path(tmp) / "server.log")
-        stack = contextlib.ExitStack()
-        try:
-            proc.start(python)
-            fx._wait_healthy([proc], fx.START_TIMEOUT_S)
-            server = fx._calibrate(fx._describe(proc))
-            profile = out / "profile.yaml"
-            profile.write_text(yaml.safe_dump(server.calibration, sort_keys=False))
-            # the client, the gateway (their processes inherit it) and the server's API
-            # process kept off the engine's core
-            assert proc.popen is not None
-            stack.enter_context(fx.off_core(0, [proc.popen.pid]))
-            url = server.base_url
-            if args.gateway:
-                _, url = stack.enter_context(serve(
-                    pool_config([server], instances=[instance_config(server)]), out))
-            cmd = [sys.executable, "-m", "duetime", "validate", url,
-                   "--model", args.model, "--profile", str(profile), "--out", str(out / "report"),
-                   *rest]
-            print("validate_vllm: " + " ".join(cmd[2:]), file=sys.stderr)
-            rc = subprocess.call(cmd)
-        finally:
-            stack.close()
-            proc.stop()
+    with fx.one_server(args.model, "validate_vllm") as described, \
+            contextlib.ExitStack() as stack:
+        server = fx._calibrate(described)
+        profile = out / "profile.yaml"
+        profile.write_text(yaml.safe_dump(server.calibration, sort_keys=False))
+        # the client, the gateway (their processes inherit it) and the server's API process
+        # kept off the engine's core
+        stack.enter_context(fx.off_core(server.engine_core, [server.pid]))
+        url = server.base_url
+        if args.gateway:
+            _, url = stack.enter_context(serve(
+                pool_config([server], instances=[instance_config(server)]), out))
+        cmd = [sys.executable, "-m", "duetime", "validate", url,
+               "--model", args.model, "--profile", str(profile), "--out", str(out / "report"),
+               *rest]
+        print("validate_vllm: " + " ".join(cmd[2:]), file=sys.stderr)
+        rc = subprocess.call(cmd)
     if rc != 0:
         raise SystemExit(rc)
     text = (out / "report" / "report.md").read_text()

@@ -49,6 +49,15 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         assert summary["ttca_gain"]["laar_vs_load_aware"] > 0
     if name == "prefix":
         _check_prefix(out, rows, summary)
+    if name == "scale":
+        sizes = {"3", "30", "90"}
+        for load in ("0.7", "0.9"):
+            assert set(summary["sfs_on_time"][load]) == sizes
+            assert all(0 <= v <= 1 for v in summary["sfs_on_time"][load].values())
+        assert set(summary["decision_us_p50"]) == sizes
+        assert all(_finite(v) and v > 0 for v in summary["decision_us_p50"].values())
+        assert isinstance(summary["sfs_bigger_pools_no_worse"], bool)
+        assert {r["router"] for r in rows} >= {"sfs", "round-robin", "load-aware"}
 
 
 def _finite(x) -> bool:

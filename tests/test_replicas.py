@@ -66,6 +66,15 @@ def test_a_sample_that_misses_the_target_goes_on_to_the_rest() -> None:
         assert d.index == 2 and d.forecast <= 0.05
 
 
+def test_with_none_feasible_the_least_forecast_wins_skipped_ones_included() -> None:
+    """A target no replica meets: the bound skips every forecast above the target, and the
+    fallback still finds the least forecast of all."""
+    cands = replicas([5, 3, 4, 6])
+    for s in range(10):
+        d = make_policy("sfs", {"seed": s}).choose(request(4, 0.001), cands, 0.0)
+        assert d.index == 1 and d.forecast > 0.001
+
+
 def test_distinct_models_keep_the_papers_order() -> None:
     """Candidates of different utility: the best feasible one, as before (no sampling)."""
     cands = [Candidate(f"i{k}", f"m{k}", 1.0, 1.0, View(q)) for k, q in enumerate([0, 2, 0])]
@@ -189,3 +198,66 @@ def test_bounded_decisions_equal_forecasting_every_replica() -> None:
     assert np.array_equal(runs[True][0], runs[False][0])
     print(f"forecasts: {runs[True][1]} with the bound, {runs[False][1]} without")
     assert runs[True][1] < 0.6 * runs[False][1], (runs[True][1], runs[False][1])
+
+
+# -- replicas in the gateway's pool ------------------------------------------------------------------
+
+def test_an_emulated_instance_with_replicas_is_started_several_times() -> None:
+    from duetime.gateway import ConfigError, pool_from_dict
+    from duetime.service import demo_pool
+
+    pool = pool_from_dict({"instances": [
+        {"name": "big", "model": "qwen3-8b", "replicas": 3, "emulate": {"seed": 7}},
+        {"name": "small", "model": "qwen3-0.6b", "emulate": {}}]}, "t")
+    assert [i.name for i in pool.instances] == ["big.0", "big.1", "big.2", "small"]
+    assert [i.emulate["seed"] for i in pool.instances[:3]] == [7, 8, 9]
+    assert {i.model for i in pool.instances[:3]} == {"qwen3-8b"}
+    with pytest.raises(ConfigError, match=r"instances\[0\]\.replicas: only an emulated"):
+        pool_from_dict({"instances": [{"name": "a", "model": "m", "url": "http://x:1",
+                                       "profile": "qwen3-8b", "replicas": 2}]}, "t")
+    with pytest.raises(ConfigError, match=r"duplicate instance name 'big\.1'"):
+        pool_from_dict({"instances": [
+            {"name": "big", "model": "qwen3-8b", "replicas": 2, "emulate": {}},
+            {"name": "big.1", "model": "qwen3-8b", "emulate": {}}]}, "t")
+    demo = demo_pool(replicas=2)
+    assert len(demo.instances) == 6 and demo.instances[0].name == "qwen3-0.6b.0"
+    assert [i.name for i in demo_pool().instances] == ["qwen3-0.6b", "qwen3-8b", "qwen3-32b"]
+
+
+def test_serve_replicas_is_for_the_demo_pool(tmp_path, capsys) -> None:
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text("instances: [{name: a, model: qwen3-8b, emulate: {}}]\n")
+    assert main(["serve", "--config", str(cfg), "--replicas", "2"]) == 2
+    assert "--replicas applies to the demo pool only" in capsys.readouterr().err
+
+
+def test_the_gateway_spreads_a_burst_over_a_models_replicas() -> None:
+    """Six long prompts at once to a model of three emulated replicas: the forecasts send
+    them to more than one replica (by position they would all have gone to the first while
+    it met the loose target)."""
+    import asyncio
+
+    import httpx
+
+    from duetime.gateway import pool_from_dict
+    from duetime.service import Service
+
+    pool = pool_from_dict({"policy": "sfs", "instances": [
+        {"name": "big", "model": "qwen3-8b", "replicas": 3, "emulate": {"speed": 4.0}}]}, "t")
+
+    async def go() -> list[str]:
+        svc = await Service(pool, drain_timeout_s=3.0).start()
+        try:
+            async with httpx.AsyncClient(base_url=svc.url, timeout=30) as c:
+                async def one() -> str:
+                    r = await c.post("/v1/completions", json={
+                        "model": "qwen3-8b", "prompt": "word " * 3000, "max_tokens": 2},
+                        headers={"x-duetime-ttft-ms": "60000"})
+                    assert r.status_code == 200, r.text
+                    return r.headers["x-duetime-instance"]
+                return await asyncio.gather(*(one() for _ in range(6)))
+        finally:
+            await svc.stop()
+
+    used = asyncio.run(asyncio.wait_for(go(), 60))
+    assert set(used) <= {"big.0", "big.1", "big.2"} and len(set(used)) >= 2, used

@@ -124,7 +124,7 @@ def test_validate_through_a_gateway_reports_its_live_forecasts(tmp_path):
 
 def test_server_stats_are_read_from_vllms_histograms():
     """vLLM's page: each histogram's sum and count, summed over label sets; other pages, none."""
-    from duetime.calibrate.validation import parse_server_stats, server_means
+    from duetime.calibrate.validation import parse_server_stats, server_delta
 
     page = "\n".join([
         "# HELP vllm:time_to_first_token_seconds ttft",
@@ -139,7 +139,7 @@ def test_server_stats_are_read_from_vllms_histograms():
         'vllm:inter_token_latency_seconds_sum{engine="0"} 0.3', ""])
     got = parse_server_stats(page)
     assert got == {"ttft": (2.5, 5.0), "itl": (0.3, 10.0)}
-    assert server_means({"ttft": (0.5, 1.0)}, got) == {"ttft": 0.5, "itl": 0.03}
+    assert server_delta({"ttft": (0.5, 1.0)}, got) == {"ttft": (2.0, 4.0), "itl": (0.3, 10.0)}
     assert parse_server_stats("<html>not metrics</html>") == {}
 
 

@@ -324,6 +324,27 @@ def _calibrate(server: VllmServer) -> VllmServer:
     return replace(server, calibration=entry, fit_error=errors)
 
 
+@contextlib.contextmanager
+def one_server(name: str, who: str) -> Iterator[VllmServer]:
+    """One of the suite's servers (``name``: a key of ``MODELS``) outside pytest, for the
+    benchmarks: its model built, started with the suite's flags, its engine on core 0, and
+    described (not calibrated); stopped on the way out. ``who`` names the caller in errors."""
+    import tempfile
+
+    python = find_vllm_python()
+    if python is None or not python.exists():
+        raise SystemExit(f"{who}: no vLLM venv ({SETUP_HINT})")
+    dirs = _build_models(python, REPO / ".cache" / "vllm-models")
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = _Proc(name, MODELS[name], dirs[name], _free_port(), 0, Path(tmp) / "server.log")
+        try:
+            proc.start(python)
+            _wait_healthy([proc], START_TIMEOUT_S)
+            yield _describe(proc)
+        finally:
+            proc.stop()
+
+
 def pin(pid: int, cores: set[int]) -> None:
     """Bind every thread of process ``pid`` to ``cores`` (threads it starts later inherit it
     from theirs); a thread that ended meanwhile is skipped."""

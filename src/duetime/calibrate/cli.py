@@ -148,6 +148,7 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
         replay,
         replay_means,
         run_trace,
+        server_delta,
         server_stats,
         trace,
     )
@@ -196,11 +197,10 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
                     await run_trace(client, run, seed)
                     await asyncio.sleep(args.pause)
                     after = await server_stats(session, client.url)
-                    for key, (s1, c1) in after.items():  # this run's sums and counts
-                        s0, c0 = before.get(key, (0.0, 0.0))
+                    for key, (ds, dc) in server_delta(before, after).items():
                         acc = server_sums.setdefault(load, {}).setdefault(key, [0.0, 0.0])
-                        acc[0] += s1 - s0
-                        acc[1] += c1 - c0
+                        acc[0] += ds
+                        acc[1] += dc
                     recs.extend(run)
             return cap, recs
 

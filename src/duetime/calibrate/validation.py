@@ -356,19 +356,19 @@ async def server_stats(session: aiohttp.ClientSession, url: str
         return {}
 
 
-def server_means(before: dict[str, tuple[float, float]],
-                 after: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Each histogram's mean over what happened between two scrapes (seconds)."""
+def server_delta(before: dict[str, tuple[float, float]],
+                 after: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    """Each histogram's sum and count over what happened between two scrapes."""
     out = {}
     for k, (s1, c1) in after.items():
         s0, c0 = before.get(k, (0.0, 0.0))
-        if c1 > c0:
-            out[k] = (s1 - s0) / (c1 - c0)
+        out[k] = (s1 - s0, c1 - c0)
     return out
 
 
 def replay_means(recs: list[Record], spec: InstanceSpec) -> dict[str, float]:
-    """The replay's counterparts of :func:`server_means` (engine side: no request overhead):
+    """The replay's counterparts of the server's histogram means (engine side: no request
+    overhead):
     mean TTFT, and mean inter-token latency over every decode token of the run."""
     ok = [r for r in recs if r.ok and math.isfinite(r.predicted_ttft)]
     if not ok:

@@ -588,10 +588,18 @@ def _prefix_workload_section(w: str, stem: str, rows: list[dict[str, Any]],
             "p90 TTFT (s) per load\n\n" + rp.md_table(p90, list(p90[0])))
 
 
+def scale(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+    """Routing at cluster scale: pools of replicas at the same load per instance
+    (:mod:`duetime.experiments.scale`)."""
+    from duetime.experiments.scale import run_scale
+
+    return Outcome(*run_scale(out, quick, seed, log))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
-    "prefix": prefix}
+    "prefix": prefix, "scale": scale}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,

@@ -82,6 +82,8 @@ class _InstanceIn(_Strict):
     # time outside the engine loop until the first token is back (HTTP, tokenisation):
     # added to the engine's forecast; `duetime calibrate` measures it
     request_overhead_ms: float = Field(0.0, ge=0, le=60_000)
+    # an emulated instance started this many times (name.0, name.1, ...; seeds seed, seed+1..)
+    replicas: int = Field(1, ge=1, le=1000)
 
     @field_validator("url")
     @classmethod
@@ -307,8 +309,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
 
     names: set[str] = set()
     insts = []
-    for i, s in enumerate(spec.instances):
-        w = f"instances[{i}]"
+    for w, s in _expanded(spec.instances, fail):
         if s.name in names:
             raise fail(f"{w}.name", f"duplicate instance name {s.name!r}")
         names.add(s.name)
@@ -405,6 +406,28 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 predictor, tokenizer, chat_template)
+
+
+def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:
+    """Each instance with where it was written; an emulated one with ``replicas: N`` becomes
+    N instances ``name.0`` .. ``name.{N-1}`` whose emulators are seeded one apart."""
+    out = []
+    for i, s in enumerate(instances):
+        w = f"instances[{i}]"
+        if s.replicas == 1:
+            out.append((w, s))
+            continue
+        if s.emulate is None:
+            raise fail(f"{w}.replicas", "only an emulated instance (emulate:) is started several "
+                       "times; list each running server with its own url")
+        seed = (s.emulate.model_extra or {}).get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise fail(f"{w}.emulate.seed", f"must be an integer, got {seed!r}")
+        out += [(w, s.model_copy(update={
+            "name": f"{s.name}.{k}", "replicas": 1,
+            "emulate": s.emulate.model_copy(update={"seed": seed + k})}))
+            for k in range(s.replicas)]
+    return out
 
 
 def _policy(value: str | dict[str, Any], source: str) -> tuple[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from duetime.argtypes import key_value, port, positive_float
+from duetime.argtypes import key_value, port, positive_float, positive_int
 from duetime.policy import policy_names
 
 log = logging.getLogger("duetime.gateway")
@@ -35,7 +35,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
     started = time.perf_counter()
     try:
-        pool = load_pool(args.config) if args.config else demo_pool(speed=args.speed)
+        pool = load_pool(args.config) if args.config else demo_pool(
+            speed=args.speed, replicas=args.replicas)
     except ConfigError as e:
         raise error(str(e)) from None
     if args.policy or args.policy_param:
@@ -73,6 +74,9 @@ def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
     if args.config is not None and args.speed != 1.0:
         raise error("--speed applies to the demo pool only; set emulate.speed per instance in "
                     "the config")
+    if args.config is not None and args.replicas != 1:
+        raise error("--replicas applies to the demo pool only; set replicas per emulated "
+                    "instance in the config")
     setup_logging(args.log_level)
     return run(_serve(args, error))
 
@@ -100,6 +104,8 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    "sfs-soft (repeatable; `duetime policies` lists each policy's)")
     p.add_argument("--speed", type=positive_float, default=1.0, metavar="X",
                    help="demo pool only: emulated instances run X times faster (default 1)")
+    p.add_argument("--replicas", type=positive_int, default=1, metavar="N",
+                   help="N emulated instances of each model of the demo pool (default 1)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight streams (default 30; a "
                    "second Ctrl-C forces)")

@@ -59,11 +59,12 @@ def load_pool(path: str | Path) -> Pool:
     return _with_embedded_caching(load_gateway_pool(path))
 
 
-def demo_pool(*, speed: float = 1.0, policy: str = "sfs") -> Pool:
+def demo_pool(*, speed: float = 1.0, policy: str = "sfs", replicas: int = 1) -> Pool:
     """Three emulated instances (Qwen3 0.6B / 8B / 32B on H100 timing), the paper's prices and
-    accuracies."""
+    accuracies; ``replicas`` instances of each (``qwen3-8b.0``, ...) when more than one."""
     return pool_from_dict({
         "policy": policy,
-        "instances": [{"name": m, "model": m, "emulate": {"speed": speed, "seed": k}}
+        "instances": [{"name": m, "model": m, "replicas": replicas,
+                       "emulate": {"speed": speed, "seed": k * replicas}}
                       for k, m in enumerate(DEMO_MODELS)],
     }, "demo pool")
