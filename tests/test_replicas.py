@@ -261,3 +261,24 @@ def test_the_gateway_spreads_a_burst_over_a_models_replicas() -> None:
 
     used = asyncio.run(asyncio.wait_for(go(), 60))
     assert set(used) <= {"big.0", "big.1", "big.2"} and len(set(used)) >= 2, used
+
+
+@pytest.mark.parametrize(("policy", "noise"), [("sfs", 0.0), ("round-robin", 0.05)])
+def test_stepping_only_busy_engines_changes_nothing(monkeypatch, policy: str,
+                                                    noise: float) -> None:
+    """The simulator steps only the engines with a step before the arrival; stepping every
+    engine at every arrival (as it did) gives the same requests the same times, noise
+    included (the same steps in the same order draw the same noise)."""
+    from duetime.sim import cluster
+
+    prof = load_workload("paper").with_replicas(5)
+    rng = np.random.default_rng(4)
+    reqs = sample_requests(prof, Poisson(43.0).times(1500, rng), rng)
+    runs = []
+    for every in (False, True):
+        if every:
+            monkeypatch.setattr(cluster, "_due", lambda busy, t: range(len(busy)))
+        res = ClusterSim(prof, make_policy(policy), noise=noise).run(reqs)
+        runs.append((res.instance, res.first_token, res.finish))
+    for a, b in zip(*runs, strict=True):
+        assert np.array_equal(a, b)

@@ -44,12 +44,21 @@ class SimInstance:
 
     request_overhead_s = 0.0  # the simulator's requests reach the engine at once
 
+    def sync(self) -> None:
+        """An idle engine's clock brought to ``now`` (the simulator steps only the engines
+        with work; an idle one's clock follows the decision's time when it is read)."""
+        eng = self.engine
+        if eng.idle and eng.time < self.now:
+            eng.set_clock(self.now)
+
     def snapshot(self) -> Snapshot:
+        self.sync()
         return self.engine.snapshot()
 
     def first_token_floor(self, prompt_tokens: int) -> float:
         """See :meth:`duetime.engine.compiled.Engine.first_token_floor` (what a router may
         skip a forecast with)."""
+        self.sync()
         return self.engine.first_token_floor(prompt_tokens)
 
     @property
