@@ -264,12 +264,15 @@ def add_validate_command(sub: Any, command: Any, error: type[Exception]) -> None
     """Register ``validate`` on the ``duetime`` parser tree."""
     p = command("validate", lambda a: _cmd_validate(a, error),
                 "measure how closely the engine model predicts a running server",
-                "Drive one OpenAI-compatible server directly (no gateway) with a seeded "
+                "Drive one OpenAI-compatible server directly with a seeded "
                 "workload at several loads (fractions of its capacity, measured first with a "
                 "closed loop), record every request's timeline, replay the same trace through "
                 "the engine with the instance's profile, and report the TTFT and end-to-end "
-                "errors per load: report.md, results.csv, summary.json and PNGs in --out. "
-                "Token-id prompts on /v1/completions, streamed, ignore_eos.")
+                "errors per load (and each request's inter-token latency, and vLLM's own "
+                "engine-side histograms where it exports them): report.md, results.csv, "
+                "summary.json and PNGs in --out. Pointed at a `duetime serve`, the gateway's "
+                "live forecasts are scored too. Token-id prompts on /v1/completions, streamed, "
+                "ignore_eos.")
     p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8001")
     p.add_argument("--model", required=True, metavar="NAME", help="the served model name")
     p.add_argument("--profile", required=True, metavar="NAME_OR_FILE",
