@@ -1,66 +1,84 @@
-"""What one ``sfs`` decision costs as the pool grows: the paper's workload with every model
-replicated, the rate scaled with the pool (the same load per instance), simulated; per pool
-size, the decision time (the simulator's wall time per routing call) with the forecasts' lower
-bound (the default), without it (every replica of a tier forecast), and with a sample of two
-replicas, measured side by side in one run.
+"""What one ``sfs`` decision costs as the pool grows, and what each rule for choosing among
+replicas gives: the paper's workload with every model replicated (pools of 3 to 999
+instances), at the same load per instance as ``duetime experiment scale`` (a fraction of 9.5
+q/s per replica set), simulated; per pool size and rule, measured side by side in one run:
 
-    python benchmarks/decision_cost.py [--replicas 1,10,30] [--requests 8000] [--seed 0]
+* ``ranked`` (the default): replicas in the order of the pool's wait estimates, the first
+  whose forecast meets the target;
+* ``least`` (``ranked=0``): the least forecast that meets the target, forecasts pruned by
+  a lower bound;
+* ``sample of 2`` (``replica_sample=2``): the least among two drawn at random.
 
-Prints one row per pool size and rule: decision p50 and mean (µs), wall per simulated request,
-and the on-time rate (the bound must not change it).
+    python benchmarks/decision_cost.py [--replicas 1,10,33,100,333] [--load 0.9]
+        [--per-instance 50] [--rules ranked,least,sample] [--seed 0]
+
+Prints one row per pool size and rule: decision p50, mean and p99 (µs), forecasts per
+decision, wall per simulated request, simulated / wall, on-time rate and OnTimeUtility.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from duetime.engine import warm_up
 from duetime.estimate import SfsEstimator
-from duetime.policy import make_policy
-from duetime.sim import ClusterSim
-from duetime.workload import Poisson, load_workload, sample_requests
+from duetime.experiments.runner import Point, Runner
+from duetime.experiments.scale import CAPACITY_QPS
+from duetime.workload import load_workload
 
-RATE_PER_MODEL = 8.6  # q/s per replica of each of the paper's three models (its load sweep's middle)
-
-
-class Unbounded:
-    """The SFS estimator without its lower bound: every replica of a tier is forecast."""
-
-    name = "sfs"
-
-    def __init__(self) -> None:
-        self.inner = SfsEstimator()
-
-    def ttft(self, *a, **kw) -> float:
-        return self.inner.ttft(*a, **kw)
+RULES = {"ranked": {}, "least": {"ranked": 0}, "sample": {"replica_sample": 2}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--replicas", default="1,10,30")
-    ap.add_argument("--requests", type=int, default=8000)
+    ap.add_argument("--replicas", default="1,10,33,100,333")
+    ap.add_argument("--load", type=float, default=0.9)
+    ap.add_argument("--per-instance", type=int, default=50)
+    ap.add_argument("--rules", default="ranked,least,sample")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print("| instances | rule | decision p50 | decision mean | wall per request | on time |")
-    print("|---|---|---|---|---|---|")
+    rules = args.rules.split(",")
+    for r in rules:
+        if r not in RULES:
+            ap.error(f"--rules: unknown rule {r!r} (known: {', '.join(RULES)})")
+    print("| instances | rule | decision p50 | mean | p99 | forecasts per decision | "
+          "wall per request | simulated / wall | on time | OnTimeUtility |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    warm_up()
+    base = load_workload("paper")
+    counted = _Counted()
     for r in (int(x) for x in args.replicas.split(",")):
-        prof = load_workload("paper").with_replicas(r)
-        rng = np.random.default_rng(args.seed)
-        reqs = sample_requests(prof, Poisson(RATE_PER_MODEL * r).times(args.requests, rng),
-                               rng)
-        for rule in ("bounded", "unbounded", "sample of 2"):
-            pol = make_policy("sfs", {"replica_sample": 2} if rule == "sample of 2" else {})
-            if rule == "unbounded":
-                pol.estimator = Unbounded()
-            t = time.perf_counter()
-            res = ClusterSim(prof, pol, seed=args.seed).run(reqs)
-            wall = time.perf_counter() - t
+        prof = base.with_replicas(r)
+        size = len(prof.instance_pairs())
+        runner = Runner(prof, seed=args.seed)
+        rate = round(args.load * CAPACITY_QPS * r, 6)
+        for rule in rules:
+            counted.forecasts = 0
+            row, res = runner.run(Point("sfs", rate, args.per_instance * size,
+                                        params=tuple(RULES[rule].items())))
             o = res.overhead_s * 1e6
-            print(f"| {len(prof.instance_pairs())} | {rule} | {np.median(o):.0f} µs | "
-                  f"{o.mean():.0f} µs | {wall / len(reqs) * 1e6:.0f} µs | "
-                  f"{np.mean(res.ttft <= res.requests.target):.2%} |", flush=True)
+            n = len(o)
+            print(f"| {size} | {rule} | {np.median(o):.0f} µs | {o.mean():.0f} µs | "
+                  f"{np.percentile(o, 99):.0f} µs | {counted.forecasts / n:.2f} | "
+                  f"{row['wall_s'] / n * 1e6:.0f} µs | "
+                  f"{row['simulated_s'] / row['wall_s']:.1f}x | {row['on_time']:.2%} | "
+                  f"{row['ontime_utility']:.4f} |", flush=True)
+
+
+class _Counted:
+    """Counts the SFS forecasts made (wraps the estimator's ``ttft`` for the run)."""
+
+    def __init__(self) -> None:
+        self.forecasts = 0
+        inner = SfsEstimator.ttft
+
+        def ttft(est, *a, **kw):
+            self.forecasts += 1
+            return inner(est, *a, **kw)
+
+        SfsEstimator.ttft = ttft
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ Every read is public and read-only (:meth:`request`, :meth:`lookup`, :meth:`hist
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +46,7 @@ from duetime.engine.pool_kernel import (
 from duetime.engine.prefix_state import PrefixState, with_room
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
+from duetime.engine.wait_estimate import summarize
 
 ASYNC_COLUMNS = [kn.PEND, kn.INF, kn.NINF, kn.STALE]  # what an observation settles
 COMPACT_AT = 4096  # without retained history: reclaim finished rows past this many rows
@@ -133,16 +135,15 @@ class Engine:
                  capacity: int = 256, noise: float = 0.0, seed: int | None = None,
                  retain_finished: bool = True) -> None:
         """``noise`` > 0: each step's duration is multiplied by a mean-one log-normal factor
-        with this log-space spread (a simulated instance's "true" timing). ``seed`` seeds the
-        (process-global) generator of that noise. ``retain_finished`` False: rows of finished
+        with this log-space spread (a simulated instance's "true" timing). ``seed``: the
+        engine's own noise stream (step k's factor is a function of the seed and k, whenever
+        the engine is stepped); default a random one. ``retain_finished`` False: rows of finished
         requests are reclaimed once the arrays hold more than ``COMPACT_AT`` rows, mostly
         finished (a server that runs for days)."""
         self.config = config
         self.model = model
         self.noise = float(noise)
         self.retain_finished = retain_finished
-        if seed is not None:
-            kn.seed(seed)
         n = max(capacity, 4)
         self._req = np.zeros((n, kn.REQ_COLUMNS), dtype=np.int64)
         self._stamps = np.full((n, 2), np.nan)
@@ -151,6 +152,8 @@ class Engine:
         self._st = np.zeros(kn.ST_SIZE, dtype=np.int64)
         self._st[kn.LONE] = -1
         self._st[kn.FREE] = config.usable_blocks
+        self._st[kn.NSEED] = (int.from_bytes(os.urandom(7), "little") if seed is None
+                              else int(seed) & ((1 << 62) - 1))
         self._clock = np.array([float(time)])
         self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
@@ -174,6 +177,7 @@ class Engine:
         self._rows: dict[str, int] = {}
         self._revision = 0
         self._snap: tuple[tuple[int, int, float], Snapshot] | None = None
+        self._load_row: np.ndarray | None = None
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -409,6 +413,18 @@ class Engine:
         kernel's livelock watch starts over."""
         self._revision += 1
         self._st[kn.LONE] = -1
+        self._publish()
+
+    def publish_load(self, row: np.ndarray) -> None:
+        """Keep this engine's wait summary in ``row`` from now on (a row of a
+        :class:`~duetime.engine.wait_estimate.LoadBoard`), refreshed at every change."""
+        self._load_row = row
+        self._publish()
+
+    def _publish(self) -> None:
+        if self._load_row is not None:
+            summarize(self._req, self._pred, self._run, self._wq, self._st, self._clock,
+                      self._cfg, self._w, self._load_row)
 
     def compact(self) -> None:
         """Forget finished requests (their rows are otherwise kept forever). Scheduler state,
@@ -468,6 +484,7 @@ class Engine:
                       self._cfg, self._w, self._work, self._out, self._pool, self._kmap,
                       self._rb, self._rk, None, self.noise)
         out = self._out
+        self._publish()
         self._raise_if_stuck(got, int(out[4]))
         ids = self._ids
         made = None
@@ -498,6 +515,7 @@ class Engine:
                                     self._clock, self._cfg, self._w, self._work, self._out,
                                     self._pool, self._kmap, self._rb, self._rk, None, t,
                                     stop_on_finish, self.noise)
+        self._publish()
         self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
             self.set_clock(t)
@@ -731,7 +749,8 @@ class Engine:
 
         def table(rows: np.ndarray) -> RequestTable:
             # (asynchronous scheduling: computed = prompt + output while a token is in flight)
-            return RequestTable([ids[r] for r in rows.tolist()], req[rows, kn.PROMPT],
+            kept = rows.copy()  # (the engine's running order changes as it steps)
+            return RequestTable(lambda: [ids[r] for r in kept.tolist()], req[rows, kn.PROMPT],
                                 req[rows, kn.COMP], req[rows, kn.OUTPUT], self._pred[rows],
                                 self._arrival[rows])
 

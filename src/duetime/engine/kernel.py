@@ -44,6 +44,8 @@ Layout (all int64 unless noted; request ``r`` is an index):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from duetime.engine._jit import njit
@@ -66,9 +68,9 @@ BOFF, KOFF, NKEY, NCACHED, UID, BCAP, H0, B0OFF = 10, 11, 12, 13, 14, 15, 16, 17
 REQ_COLUMNS = 18
 assert HELD == 4
 # st fields (LONE, QUIET: the livelock watch; NINFL: rows in flight; see step())
-# (PQ, PH: prefix-cache queries and hits so far, in tokens)
-K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL, PQ, PH = range(10)
-ST_SIZE = 10
+# (PQ, PH: prefix-cache queries and hits so far, in tokens; NSEED: the step noise's seed)
+K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL, PQ, PH, NSEED = range(11)
+ST_SIZE = 11
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
 BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC = range(10)
 # step()'s ``out``: see step()
@@ -178,7 +180,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     first token are ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``.
     Returns the number of scheduled requests, or STUCK. ``noise`` > 0 multiplies the step's
     duration by a mean-one log-normal factor with that log-space spread (a simulated
-    instance's "true" timing; numba's global RNG, see :func:`seed`). ``extra``: requests not in
+    instance's "true" timing; drawn from the engine's own stream, see :func:`step_normal`).
+    ``extra``: requests not in
     the arrays that count as present (a forecaster's probe): a request alone ignores the
     long-prefill threshold.
 
@@ -384,7 +387,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
         dur = (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
                + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
         if noise > 0.0:
-            dur *= np.exp(noise * np.random.standard_normal() - 0.5 * noise * noise)
+            dur *= math.exp(noise * step_normal(st[NSEED], st[K]) - 0.5 * noise * noise)
         t_end += dur
     if asyn:
         # the previous step's outputs, then this step's rows are the ones in flight; they
@@ -574,7 +577,29 @@ def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb
     return REACHED, 0
 
 
-@njit(cache=True)
-def seed(value):  # pragma: no cover - jit
-    """Seed numba's random generator (used for step-time noise)."""
-    np.random.seed(value)
+MASK31 = (1 << 31) - 1
+
+
+@njit(cache=True, nogil=True)
+def _hash31(x):  # pragma: no cover - jit
+    """A 31-bit integer hash (xor-shift-multiply rounds; products stay below 2**62, so the
+    same integers come out compiled or not)."""
+    x &= MASK31
+    x ^= x >> 16
+    x = (x * 0x45D9F3B) & MASK31
+    x ^= x >> 13
+    x = (x * 0x2C1B3C6D) & MASK31
+    x ^= x >> 16
+    return x
+
+
+@njit(cache=True, nogil=True)
+def step_normal(seed, k):  # pragma: no cover - jit
+    """A standard normal draw for step ``k`` of the engine whose noise seed is ``seed``: a
+    function of the two (Box-Muller over two hashed uniforms), so that an engine's noise does
+    not depend on when, or in which order with other engines, it is stepped (the simulator
+    steps engines only when it needs them)."""
+    x = _hash31(_hash31(seed) ^ (_hash31(seed >> 31) + 0x3C6EF372) ^ _hash31(k + 0x1B873593))
+    u1 = (_hash31(x ^ 0x5BD1E995) + 1) / (MASK31 + 1.0)  # (0, 1]
+    u2 = _hash31(x ^ 0x27D4EB2F) / (MASK31 + 1.0)
+    return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)

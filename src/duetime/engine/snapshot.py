@@ -51,18 +51,28 @@ class ResidentRequest:
 class RequestTable:
     """Resident requests column by column (numpy), the form the compiled replay starts from."""
 
-    __slots__ = ("arrival", "computed", "ids", "output", "predicted", "prompt")
+    __slots__ = ("_ids", "arrival", "computed", "output", "predicted", "prompt")
 
-    def __init__(self, ids: Sequence[str], prompt: Sequence[int], computed: Sequence[int],
-                 output: Sequence[int], predicted: Sequence[int],
+    def __init__(self, ids: Sequence[str] | Callable[[], list[str]], prompt: Sequence[int],
+                 computed: Sequence[int], output: Sequence[int], predicted: Sequence[int],
                  arrival: Sequence[float] | None = None) -> None:
-        self.ids = list(ids)
+        """``ids``: the ids, or a callable that makes them when first read (a forecast never
+        reads them: an engine's snapshot on the routing path skips building them)."""
+        self._ids = ids if callable(ids) else list(ids)
         self.prompt = np.asarray(prompt, dtype=np.int64)
         self.computed = np.asarray(computed, dtype=np.int64)
         self.output = np.asarray(output, dtype=np.int64)
         self.predicted = np.asarray(predicted, dtype=np.int64)
-        self.arrival = (np.zeros(len(self.ids)) if arrival is None
+        self.arrival = (np.zeros(len(self.prompt)) if arrival is None
                         else np.asarray(arrival, dtype=np.float64))
+        if len(self.arrival) != len(self.prompt):
+            raise ValueError("RequestTable: arrival and prompt differ in length")
+
+    @property
+    def ids(self) -> list[str]:
+        if callable(self._ids):
+            self._ids = list(self._ids())
+        return self._ids
 
     @classmethod
     def of(cls, requests: Sequence[ResidentRequest]) -> RequestTable:
@@ -71,7 +81,7 @@ class RequestTable:
                    [r.predicted_output_tokens for r in requests], [r.arrival for r in requests])
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.prompt)
 
     def requests(self) -> tuple[ResidentRequest, ...]:
         return tuple(ResidentRequest(*row) for row in zip(

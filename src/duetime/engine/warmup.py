@@ -6,16 +6,20 @@ first call; a server calls :func:`warm_up` at start so that its first request do
 
 from __future__ import annotations
 
+import numpy as np
+
 from duetime.engine.batch_time import Sfs6
 from duetime.engine.compiled import Engine
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import forecast
+from duetime.engine.wait_estimate import LoadBoard
 
 _warm = False
 
 
 def warm_up() -> None:
-    """Run every compiled path once (step, run_until, observe, abort, a forecast), without
+    """Run every compiled path once (step, run_until, observe, abort, a forecast, the wait
+    estimates, step noise), without
     and with prefix caching (its block pool, the forecast that borrows it, and what a KV-event
     mirror tells the engine). A path left cold compiles inside the first request that needs
     it: seconds with a fresh cache, during which a server's event loop stands still (the
@@ -24,7 +28,9 @@ def warm_up() -> None:
     if _warm:
         return
     model = Sfs6(c0=1e-3, cp=1e-6, cpsq=0.0, cd=1e-5, cs=0.0, css=0.0)
-    eng = Engine(SchedulerConfig(), model)
+    eng = Engine(SchedulerConfig(), model, noise=0.01)
+    board = LoadBoard(1)
+    board.attach(eng, 0)
     eng.add("a", 100, 3)
     eng.add("b", 50, 2)
     eng.step(tokens=True)
@@ -34,6 +40,7 @@ def warm_up() -> None:
     eng.add("c", 10, 2)
     forecast(eng.snapshot(), 64)
     eng.first_token_floor(64)
+    board.estimates(np.zeros(1, dtype=np.int64), 64, 0.0)
     eng.abort("c")
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=64, enable_prefix_caching=True)
     ce = Engine(cfg, model, retain_finished=False)

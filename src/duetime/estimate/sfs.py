@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from duetime.engine.forecasting import ForecastError, forecast
 from duetime.engine.snapshot import Snapshot
+from duetime.engine.wait_estimate import LoadBoard
 from duetime.estimate.base import InstanceView, PromptHashes
 from duetime.estimate.correction import correction_factor
 
@@ -17,8 +20,24 @@ def _keys(snap: Snapshot, hashes: PromptHashes | None) -> Sequence[int] | None:
     return hashes(snap.config.block_size)
 
 
+def _board_rows(views: Sequence[InstanceView]) -> tuple[LoadBoard | None, np.ndarray]:
+    """The board every view keeps its summary on and each view's row (``None`` if they do
+    not all share one)."""
+    board = getattr(views[0], "board", None) if views else None
+    rows = np.empty(len(views), dtype=np.int64)
+    for k, v in enumerate(views):
+        if board is None or getattr(v, "board", None) is not board:
+            return None, rows
+        rows[k] = v.board_index
+    return board, rows
+
+
 class SfsEstimator:
     name = "sfs"
+
+    def __init__(self) -> None:
+        # the board rows of the last immutable views asked about (see wait_estimates)
+        self._rows: tuple[Sequence[InstanceView], LoadBoard | None, np.ndarray] | None = None
 
     def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
              hashes: PromptHashes | None = None) -> float:
@@ -43,6 +62,25 @@ class SfsEstimator:
         if floor is None:
             return 0.0
         return (floor(prompt_tokens) - now + view.request_overhead_s) * correction_factor(view)
+
+    def wait_estimates(self, views: Sequence[InstanceView], which: Sequence[int],
+                       prompt_tokens: int, now: float) -> np.ndarray | None:
+        """Cheap estimates of :meth:`ttft` for the views ``which`` at once, to rank replicas
+        by (:mod:`duetime.engine.wait_estimate`: no replay; mostly a little below the
+        forecast; engine time only, no overhead or correction), when every view keeps its
+        engine's summary on one board (``board``, ``board_index``: the simulator's
+        instances); else ``None``. The rows of an immutable ``views`` (a tuple) are looked up
+        once."""
+        cached = self._rows
+        if cached is not None and cached[0] is views:
+            board, rows = cached[1], cached[2]
+        else:
+            board, rows = _board_rows(views)
+            if isinstance(views, tuple):
+                self._rows = (views, board, rows)
+        if board is None:
+            return None
+        return board.estimates(rows[np.asarray(which, dtype=np.int64)], prompt_tokens, now)
 
     def e2e(self, view: InstanceView, prompt_tokens: int, output_tokens: int,
             now: float, *, hashes: PromptHashes | None = None) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 import numpy as np
@@ -58,11 +59,39 @@ class Decision:
     forecast: float | None = None
 
 
-def utility(req: RoutingRequest, cands: list[Candidate], lam: float) -> np.ndarray:
+class Candidates(tuple):
+    """A fixed candidate list (a tuple of :class:`Candidate`) that keeps what a decision
+    derives from it and not from the request: the prices as arrays and the views. A caller that
+    routes every request over the same pool (the simulator) passes one, so that a decision over
+    hundreds of instances does not gather them again; any sequence of candidates also works."""
+
+    @cached_property
+    def prices(self) -> np.ndarray:
+        """(n, 2): USD per million prompt and output tokens."""
+        return np.array([(c.price_prompt, c.price_output) for c in self], dtype=float
+                        ).reshape(len(self), 2)
+
+    @cached_property
+    def views(self) -> tuple[InstanceView, ...]:
+        return tuple(c.view for c in self)
+
+
+def prices_of(cands: Sequence[Candidate]) -> np.ndarray:
+    """(n, 2) prices of the candidates (kept by a :class:`Candidates`)."""
+    if isinstance(cands, Candidates):
+        return cands.prices
+    return Candidates(cands).prices
+
+
+def views_of(cands: Sequence[Candidate]) -> Sequence[InstanceView]:
+    """The candidates' views (the same tuple each time for a :class:`Candidates`)."""
+    return cands.views if isinstance(cands, Candidates) else [c.view for c in cands]
+
+
+def utility(req: RoutingRequest, cands: Sequence[Candidate], lam: float) -> np.ndarray:
     """U = predicted quality - lambda * predicted cost (micro-dollars), per candidate."""
-    prompt = np.array([c.price_prompt for c in cands]) * req.prompt_tokens
-    output = np.array([c.price_output for c in cands]) * req.output_tokens
-    return req.quality - lam * (prompt + output)
+    p = prices_of(cands)
+    return req.quality - lam * (p[:, 0] * req.prompt_tokens + p[:, 1] * req.output_tokens)
 
 
 class Policy(ABC):

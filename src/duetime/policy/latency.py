@@ -9,7 +9,14 @@ import numpy as np
 
 from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
 from duetime.estimate.base import Estimator
-from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest, utility
+from duetime.policy.base import (
+    Candidate,
+    Decision,
+    Policy,
+    RoutingRequest,
+    utility,
+    views_of,
+)
 from duetime.policy.registry import (
     LAMBDA,
     OUTPUT_LENGTH,
@@ -39,6 +46,10 @@ class LatencyAgnostic(Policy):
         return Decision(self._argmax_random(utility(req, cands, self.lam)))
 
 
+RANKED = Param("ranked", "ranked", int, 1, "1: a tier of replicas (equal utility) is "
+               "forecast only at its replica with the least wait estimate, where the "
+               "instances keep the pool's estimates (the simulator); 0, or without "
+               "estimates: the least forecast among all of them", min=0)
 REPLICA_SAMPLE = Param("replica_sample", "replica_sample", int, 0, "replicas of equal "
                        "utility forecast (drawn at random; more only while none meets the "
                        "target) before the least feasible forecast among them is taken; 0: "
@@ -53,41 +64,55 @@ class Feasible(Policy):
 
     Forecasts are made lazily, best utility first, tier by tier: a tier is the candidates of
     one utility (replicas of a model at one price). A tier of one is taken if its forecast
-    meets the target, as the paper's router does. In a tier of replicas the least forecast
-    that meets the target wins: among all of them (``replica_sample`` 0, the default), or
-    among ``replica_sample`` drawn at random (the power of d choices), the rest forecast in
-    that random order only while none meets the target. Taking the first replica by position
-    instead packed it to the edge of the target before the next got anything, so that every
-    forecast error became a miss. On the paper's workload at 90 instances (30 replicas of each
-    model, 258 q/s) sfs was on time for 78.8% by position, 91.8% with a sample of two and
-    96.5% with all (docs/simulator.md, "Replicas").
+    meets the target, as the paper's router does. A tier of replicas is chosen from by one of
+    three rules:
+
+    * ``ranked`` (the default where the instances keep the pool's wait estimates,
+      :mod:`duetime.engine.wait_estimate`: the simulator): the replica with the least
+      estimate stands for the tier, one forecast; if it misses the target the tier does.
+    * the least forecast (``ranked`` 0, and wherever there are no estimates: the gateway):
+      the least forecast that meets the target among all the replicas; forecasts are made in
+      the order of a lower bound and skipped where the bound already loses.
+    * a sample (``replica_sample`` d > 0): the least forecast that meets the target among d
+      drawn at random (the power of d choices), the rest forecast in that random order only
+      while none meets the target.
+
+    Taking the first replica by position instead packed it to the edge of the target before
+    the next got anything, so that every forecast error became a miss. On the paper's
+    workload at 90 instances (30 replicas of each model) and 90% load, sfs was on time for
+    78.8% by position; ranked gives 99.5%, the least forecast 96.9%: a tier whose least
+    loaded replica misses the target hands the request to the next model instead of packing
+    another replica to the edge of the target (docs/simulator.md, "Replicas";
+    ``benchmarks/decision_cost.py``).
     """
 
     params = (LAMBDA, SEED, REPLICA_SAMPLE)
     consumes = UTILITY_INPUTS | {SNAPSHOT}
 
     def __init__(self, estimator: Estimator, *, lam: float = LAMBDA.default,
-                 seed: int = 0, replica_sample: int = REPLICA_SAMPLE.default) -> None:
+                 seed: int = 0, replica_sample: int = REPLICA_SAMPLE.default,
+                 ranked: int = RANKED.default) -> None:
         super().__init__(seed=seed)
         self.lam = lam
         self.estimator = estimator
         self.replica_sample = replica_sample
+        self.ranked = bool(ranked)
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         u = utility(req, cands, self.lam)
         forecasts = np.full(len(cands), np.inf)
         bounds = np.full(len(cands), -np.inf)  # lower bounds of forecasts not made
-        order = np.argsort(-u, kind="stable").tolist()
-        k, n = 0, len(order)
-        while k < n:
-            j = k + 1
-            while j < n and u[order[j]] == u[order[k]]:
-                j += 1
-            best = (self._first_fit(req, cands, order[k], forecasts, now) if j - k == 1
-                    else self._least_fit(req, cands, order[k:j], forecasts, bounds, now))
+        order = np.argsort(-u, kind="stable")
+        # tiers: runs of equal utility in that order
+        edges = np.flatnonzero(np.diff(u[order])).tolist()
+        starts = [0, *(e + 1 for e in edges)]
+        ends = [*(e + 1 for e in edges), len(order)]
+        for k, j in zip(starts, ends, strict=True):
+            best = (self._first_fit(req, cands, int(order[k]), forecasts, now) if j - k == 1
+                    else self._least_fit(req, cands, order[k:j].tolist(), forecasts, bounds,
+                                         now))
             if best >= 0:
                 return Decision(best, float(forecasts[best]))
-            k = j
         i = int(np.argmin(forecasts))
         # nothing meets the target: the least forecast, the skipped ones included where
         # their bound could beat it
@@ -97,6 +122,13 @@ class Feasible(Policy):
                 if forecasts[s] < forecasts[i]:
                     i = s
         return Decision(i, float(forecasts[i]))
+
+    @property
+    def uses_load_board(self) -> bool:
+        """Whether it ranks replicas by a pool's wait estimates (a simulator then keeps its
+        engines' summaries on a board: :mod:`duetime.engine.wait_estimate`)."""
+        return (self.ranked and self.replica_sample == 0
+                and hasattr(self.estimator, "wait_estimates"))
 
     def _forecast(self, req: RoutingRequest, cand: Candidate, now: float) -> float:
         return self.estimator.ttft(cand.view, req.prompt_tokens, now, hashes=req.prompt_hashes)
@@ -114,6 +146,10 @@ class Feasible(Policy):
         the best so far, or the target, are not forecast at all: the same choice as
         forecasting every one (up to ties), at the cost of a few."""
         target = req.ttft_target
+        if self.replica_sample == 0 and self.ranked:
+            best = self._ranked_fit(req, cands, tier, forecasts, bounds, now)
+            if best is not None:
+                return best
         tier = self.rng.permutation(tier).tolist()  # (random among equals)
         bound = getattr(self.estimator, "ttft_lower_bound", None)
         if self.replica_sample == 0 and bound is not None:
@@ -134,14 +170,32 @@ class Feasible(Policy):
         return best
 
 
+    def _ranked_fit(self, req: RoutingRequest, cands: list[Candidate], tier: list[int],
+                    forecasts: np.ndarray, bounds: np.ndarray, now: float) -> int | None:
+        """The tier's replica with the least wait estimate stands for the tier: it is taken
+        if its forecast meets the target (-1 if not; ``None`` without estimates). The other
+        replicas are not forecast at all, not even when no tier meets the target."""
+        wait = getattr(self.estimator, "wait_estimates", None)
+        est = None if wait is None else wait(views_of(cands), tier, req.prompt_tokens, now)
+        if est is None:
+            return None
+        bounds[tier] = np.inf  # (none of them is looked at again)
+        i = tier[self._argmax_random(-est)]
+        forecasts[i] = f = self._forecast(req, cands[i], now)
+        return i if f <= req.ttft_target else -1
+
+
 class Sfs(Feasible):
     name = "sfs"
     summary = ("the best utility among the instances whose TTFT forecast (the engine's replay "
                "from a snapshot) meets the target; if none, the least forecast")
+    params = (LAMBDA, SEED, REPLICA_SAMPLE, RANKED)
 
     def __init__(self, *, lam: float = LAMBDA.default, seed: int = 0,
-                 replica_sample: int = REPLICA_SAMPLE.default) -> None:
-        super().__init__(SfsEstimator(), lam=lam, seed=seed, replica_sample=replica_sample)
+                 replica_sample: int = REPLICA_SAMPLE.default,
+                 ranked: int = RANKED.default) -> None:
+        super().__init__(SfsEstimator(), lam=lam, seed=seed, replica_sample=replica_sample,
+                         ranked=ranked)
 
 
 class Throughput(Feasible):

@@ -48,6 +48,11 @@ INPUTS: dict[str, str] = {
             "events give it) or estimated (inferred from the router's own routing decisions)",
 }
 
+# what is read from the instances (the rest is about the request): a policy that consumes none
+# of these never looks at an instance's state (the simulator then steps an instance only when
+# it is given a request)
+INSTANCE_INPUTS = frozenset({SNAPSHOT, METRICS, STATS, PREFIX})
+
 
 class PolicyError(ValueError):
     """An unknown policy or a bad parameter; the message names it and the reason."""

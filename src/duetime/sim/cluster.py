@@ -27,9 +27,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from duetime.engine.spec import InstanceSpec
+from duetime.engine.wait_estimate import LoadBoard
+from duetime.engine.warmup import warm_up
 from duetime.estimate.base import Estimator
-from duetime.policy.base import Candidate, Policy, RoutingRequest
-from duetime.policy.registry import QUALITY, SUCCESS
+from duetime.policy.base import Candidate, Candidates, Policy, RoutingRequest
+from duetime.policy.registry import INSTANCE_INPUTS, QUALITY, SUCCESS
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
 from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_block_size
 from duetime.sim.instance import SimInstance
@@ -178,16 +180,22 @@ class ClusterSim:
         """Route ``requests`` in arrival order (open loop), or with ``closed_loop`` = N
         clients that each send their next request when the previous one finishes (the
         requests' own arrival times are then ignored and replaced)."""
+        warm_up()  # (the compiled paths loaded before the clock starts)
         t_wall = wallclock.perf_counter()
         prof = self.profile
         rng = np.random.default_rng(self.seed + 1)
         models = prof.model_names
         if requests.models != models:
             raise ValueError("the request set was drawn for other models than the profile's")
-        from duetime.engine import kernel
-        kernel.seed(self.seed)
-        insts = [SimInstance(name, self.spec(m), noise=self.noise, cache_view=self.cache_view)
-                 for name, m in self.pairs]
+        noise_seeds = np.random.SeedSequence(self.seed).generate_state(len(self.pairs),
+                                                                        np.uint64) >> 2
+        insts = [SimInstance(name, self.spec(m), noise=self.noise, cache_view=self.cache_view,
+                             seed=int(s))
+                 for (name, m), s in zip(self.pairs, noise_seeds, strict=True)]
+        if getattr(self.policy, "uses_load_board", False):
+            board = LoadBoard(len(insts))
+            for k, inst in enumerate(insts):
+                inst.join_board(board, k)
         inst_model = [models.index(m) for _, m in self.pairs]
         n = len(requests)
         if self.length_model is None:
@@ -210,8 +218,9 @@ class ClusterSim:
                 pred_q = source.quality_table(queries, models)
             if SUCCESS in needs:
                 pred_s = source.quality_table(queries, models, success=True)
-        cands = [Candidate(i.name, models[mi], i.spec.price_prompt, i.spec.price_output, i)
-                 for i, mi in zip(insts, inst_model, strict=True)]
+        cands = Candidates(Candidate(i.name, models[mi], i.spec.price_prompt,
+                                     i.spec.price_output, i)
+                           for i, mi in zip(insts, inst_model, strict=True))
         cand_model = np.array(inst_model)
         chosen = np.zeros(n, dtype=np.int64)
         forecast = np.full(n, np.nan)
@@ -220,10 +229,17 @@ class ClusterSim:
         shared = requests.segments is not None  # else each request's blocks are its own
         sessions = requests.session
 
+        # a policy that reads no instance's state sees none: the instances are then stepped
+        # only when given a request (the same steps, noise included: each engine draws its
+        # own), at a fraction of the calls in a big pool
+        lazy = closed_loop is None and not self.policy.consumes & INSTANCE_INPUTS
+
         def dispatch(i: int, t: float) -> None:
-            """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``)."""
-            for inst in insts:
-                inst.now = t
+            """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``, or
+            ``lazy``: the chosen one is stepped to it after the decision)."""
+            if not lazy:
+                for inst in insts:
+                    inst.now = t
             session = None
             if sessions is not None and sessions[i] >= 0:
                 session = str(int(sessions[i]))
@@ -238,6 +254,9 @@ class ClusterSim:
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
             inst = insts[d.index]
+            inst.now = t
+            if lazy and not inst.engine.idle and inst.engine.time < t:
+                inst.engine.run_until(t)
             for est in self.shadow_estimators:
                 shadow[est.name][i] = est.ttft(inst, req.prompt_tokens, t,
                                                hashes=req.prompt_hashes)
@@ -264,7 +283,7 @@ class ClusterSim:
             busy_until = np.full(len(insts), np.inf)  # engine clock while it has work
             for i in range(n):
                 t = float(requests.arrival[i])
-                for k in _due(busy_until, t):
+                for k in () if lazy else _due(busy_until, t):
                     eng = insts[k].engine
                     eng.run_until(t)
                     busy_until[k] = np.inf if eng.idle else eng.time

@@ -7,6 +7,7 @@ from __future__ import annotations
 from duetime.engine.compiled import Engine
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec
+from duetime.engine.wait_estimate import LoadBoard
 from duetime.estimate.base import InstanceStats
 from duetime.sim.cache_view import prefix_index_for
 
@@ -22,12 +23,21 @@ class SimInstance:
     calls); ``None`` when the spec's config does not enable prefix caching."""
 
     def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0,
-                 cache_view: str = "precise") -> None:
+                 cache_view: str = "precise", seed: int | None = None) -> None:
+        """``seed``: the engine's step-noise stream (:class:`~duetime.engine.compiled.Engine`)."""
         self.name = name
         self.spec = spec
-        self.engine = Engine(spec.config, spec.batch_time, noise=noise)
+        self.engine = Engine(spec.config, spec.batch_time, noise=noise, seed=seed)
         self.now = 0.0
         self.prefix_index = prefix_index_for(self.engine, cache_view)
+        self.board: LoadBoard | None = None
+        self.board_index = -1
+
+    def join_board(self, board: LoadBoard, index: int) -> None:
+        """Keep the engine's wait summary in row ``index`` of the pool's ``board`` (what a
+        router ranks replicas by: :meth:`duetime.estimate.sfs.SfsEstimator.wait_estimates`)."""
+        self.board, self.board_index = board, index
+        board.attach(self.engine, index)
 
     # InstanceView
     @property
