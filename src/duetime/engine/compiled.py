@@ -46,7 +46,7 @@ from duetime.engine.pool_kernel import (
 from duetime.engine.prefix_state import PrefixState, with_room
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
-from duetime.engine.wait_estimate import summarize
+from duetime.engine.wait_estimate import run_until_publishing, summarize
 
 ASYNC_COLUMNS = [kn.PEND, kn.INF, kn.NINF, kn.STALE]  # what an observation settles
 COMPACT_AT = 4096  # without retained history: reclaim finished rows past this many rows
@@ -510,13 +510,20 @@ class Engine:
         """Step while the clock is before ``t`` (the last step may end after it); an idle
         engine's clock jumps to ``t``. With ``stop_on_finish`` it returns early, after the first
         step in which requests finished, and returns their ids (else ``[]``)."""
-        self._reclaim()
-        code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
-                                    self._clock, self._cfg, self._w, self._work, self._out,
-                                    self._pool, self._kmap, self._rb, self._rk, None, t,
-                                    stop_on_finish, self.noise)
-        self._publish()
-        self._raise_if_stuck(code, detail)
+        if self.caching:
+            self._reclaim()
+        if self._load_row is None:
+            code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
+                                        self._clock, self._cfg, self._w, self._work, self._out,
+                                        self._pool, self._kmap, self._rb, self._rk, None, t,
+                                        stop_on_finish, self.noise)
+        else:
+            code, detail = run_until_publishing(
+                self._req, self._stamps, self._run, self._wq, self._st, self._clock, self._cfg,
+                self._w, self._work, self._out, self._pool, self._kmap, self._rb, self._rk, t,
+                stop_on_finish, self.noise, self._pred, self._load_row)
+        if code < 0:
+            self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
             self.set_clock(t)
         if code == kn.FINISHED:
