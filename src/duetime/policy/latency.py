@@ -79,7 +79,7 @@ class Feasible(Policy):
 
     Taking the first replica by position instead packed it to the edge of the target before
     the next got anything, so that every forecast error became a miss. On the paper's
-    workload at 90 instances (30 replicas of each model) and 90% load, sfs was on time for
+    workload at 90 instances (30 replicas of each model) and ~90% load, sfs was on time for
     78.8% by position; ranked gives 99.5%, the least forecast 96.9%: a tier whose least
     loaded replica misses the target hands the request to the next model instead of packing
     another replica to the edge of the target (docs/simulator.md, "Replicas";
