@@ -26,7 +26,9 @@ def admin_routes(gw: Gateway) -> list[Route]:
         return JSONResponse({"object": "list", "data": data})
 
     async def health(request: Request) -> Response:
-        n = sum(s.healthy for s in gw.instances)
+        # in rotation and answering its probes (the ejection budget keeps some instance in
+        # rotation however it fails: a pool whose every instance fails its probe is down)
+        n = sum(s.healthy and s.health.probe_ok for s in gw.instances)
         return JSONResponse({"status": "ok" if n else "unavailable",
                              "healthy_instances": n, "instances": len(gw.instances)},
                             status_code=200 if n else 503)

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from duetime.engine.warmup import warm_up
 from duetime.gateway.admin import admin_routes
 from duetime.gateway.config import Pool
+from duetime.gateway.health import EjectionBudget
 from duetime.gateway.inflight import FlightStore, MemoryStore
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
@@ -53,7 +54,8 @@ class Gateway:
             "lambda": pool.lam, "seed": pool.seed, "delta": pool.delta, "alpha": pool.alpha})
         self.store = store if store is not None else MemoryStore()
         now = time.monotonic()
-        self.instances = [InstanceState(i, pool, self.metrics, self.store, now)
+        self.ejections = EjectionBudget(len(pool.instances), pool.health.max_ejected_fraction)
+        self.instances = [InstanceState(i, pool, self.metrics, self.store, now, self.ejections)
                           for i in pool.instances]
         self.upstream: Upstream | None = None
         self.relay = Relay(pool, self.metrics, self._http)

@@ -148,9 +148,18 @@ class TimeoutSpec(_Strict):
 
 
 class HealthSpec(_Strict):
+    """``health:`` probes, outlier detection and how much of the pool may be ejected
+    (:mod:`duetime.gateway.health`)."""
+
     interval_s: float = Field(1.0, gt=0)
-    eject_after: int = Field(3, ge=1)
     timeout_s: float = Field(1.0, gt=0)
+    eject_after: int = Field(3, ge=1)          # failures in a row
+    window_s: float = Field(10.0, gt=0)        # the failure-rate window
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    min_requests: int = Field(5, ge=1)         # in the window, before the rate counts
+    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
+    # none of a request's candidates in rotation: try the least bad one instead of a 503
+    fail_open: bool = True
 
 
 class PoolSpec(_Strict):
@@ -160,7 +169,9 @@ class PoolSpec(_Strict):
     delta: float = Field(1.0e-6, ge=0)
     alpha: float = Field(0.7, ge=0)
     seed: int = 0
-    retries: int = Field(2, ge=0, le=10)
+    # more attempts after a failed one (never the same instance twice until every one in
+    # rotation was tried); a 5xx, a refused connection or a broken stream costs milliseconds
+    retries: int = Field(5, ge=0, le=10)
     default_output_tokens: int = Field(256, ge=1)
     aliases: list[str] = [ALIAS_DEFAULT]
     # a model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja) or a

@@ -28,7 +28,7 @@ from duetime.estimate.correction import TtftCorrection
 from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.gateway.config import Instance, Pool
 from duetime.gateway.event_cache import EventCache
-from duetime.gateway.health import HealthTracker
+from duetime.gateway.health import EjectionBudget, HealthTracker
 from duetime.gateway.inflight import Flight, FlightStore, InFlight
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.published import PublishedSnapshots
@@ -43,7 +43,10 @@ class InstanceState:
     """One instance: identity, health, in-flight requests and the live views of it."""
 
     def __init__(self, instance: Instance, pool: Pool, metrics: GatewayMetrics,
-                 store: FlightStore, now: float | None = None) -> None:
+                 store: FlightStore, now: float | None = None,
+                 budget: EjectionBudget | None = None) -> None:
+        """``budget``: the pool's ejection budget, shared by its instances (alone: none may
+        be ejected)."""
         now = time.monotonic() if now is None else now
         self.instance = instance
         self.name = instance.name
@@ -62,7 +65,10 @@ class InstanceState:
                        if instance.kv_events is not None else None)
         self.published = PublishedSnapshots(None if instance.snapshot == "auto" else False)
         self.scraped = ScrapedMetrics()
-        self.health = HealthTracker(instance.name, pool.health.eject_after, metrics)
+        h = pool.health
+        self.health = HealthTracker(instance.name, metrics, budget or EjectionBudget(1, 0.0),
+                                    eject_after=h.eject_after, window_s=h.window_s,
+                                    failure_rate=h.failure_rate, min_requests=h.min_requests)
 
     def _replica(self, now: float) -> None:
         """A new shadow replica of the instance as configured now."""

@@ -64,6 +64,13 @@ class GatewayMetrics:
                                ["instance"], registry=r)
         self.ejections = Counter("duetime_ejections", "Times an instance was ejected.",
                                  ["instance"], registry=r)
+        self.ejections_refused = Counter(
+            "duetime_ejections_refused", "Ejections not made because the pool's budget "
+            "(health.max_ejected_fraction) was spent.", ["instance"], registry=r)
+        self.fail_open = Counter(
+            "duetime_fail_open", "Attempts sent to an ejected instance because none of the "
+            "request's candidates was in rotation (health.fail_open).", ["instance"],
+            registry=r)
         self.cached_tokens = Counter(
             "duetime_prefix_cached_tokens",
             "Prompt tokens the gateway believed cached at the instance when it dispatched "

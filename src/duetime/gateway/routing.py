@@ -167,6 +167,22 @@ class Router:
 
     # -- choose and attempt -------------------------------------------------------------------------
 
+    def rotation(self, insts: list[InstanceState],
+                 tried: set[str]) -> tuple[list[InstanceState], bool]:
+        """The candidates of the next attempt, and whether they are a fail-open choice: the
+        ones in rotation not tried yet; once every one in rotation has been tried, those
+        again (a failed attempt may pass on a retry: faults are per request); with none in
+        rotation, the least bad instance (``health.fail_open``; see
+        :meth:`HealthTracker.badness`), untried first, or none."""
+        healthy = [s for s in insts if s.healthy]
+        untried = [s for s in healthy if s.name not in tried]
+        if untried or healthy:
+            return untried or healthy, False
+        if not self.pool.health.fail_open or not insts:
+            return [], False
+        rest = [s for s in insts if s.name not in tried] or insts
+        return [min(rest, key=lambda s: s.health.badness())], True
+
     async def route(self, req: CompletionRequest, ctl: Controls, insts: list[InstanceState],
                     chat: bool, send: Send, t0: float) -> int:
         """Choose, attempt, retry; returns the status answered (raises ApiError for 502/503)."""
@@ -191,8 +207,9 @@ class Router:
         errors: list[str] = []
         attempt = 0
         while True:
-            cands = [s for s in insts if s.healthy and s.name not in tried]
-            if not cands or attempt > pool.retries:
+            cands, failing_open = (self.rotation(insts, tried) if attempt <= pool.retries
+                                   else ([], False))
+            if not cands:
                 what = ("any model" if req.model is None or req.model in pool.aliases
                         else f"model `{req.model}`")
                 if not errors:
@@ -219,6 +236,8 @@ class Router:
             attempt += 1
             if attempt > 1:
                 self.metrics.retries.inc()
+            if failing_open:
+                self.metrics.fail_open.labels(inst.name).inc()
             self.metrics.decisions.labels(inst.name, inst.model).inc()
             self.metrics.state_source.labels(inst.name, inst.source(load)).inc()
             body["model"] = inst.instance.served_model
