@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -22,6 +23,7 @@ from starlette.routing import Route
 
 from duetime.engine.warmup import warm_up
 from duetime.gateway.admin import admin_routes
+from duetime.gateway.admission import AdmissionQueue, GatewayLoad, Shed
 from duetime.gateway.config import Pool
 from duetime.gateway.health import EjectionBudget
 from duetime.gateway.inflight import FlightStore, MemoryStore
@@ -55,11 +57,16 @@ class Gateway:
         self.store = store if store is not None else MemoryStore()
         now = time.monotonic()
         self.ejections = EjectionBudget(len(pool.instances), pool.health.max_ejected_fraction)
-        self.instances = [InstanceState(i, pool, self.metrics, self.store, now, self.ejections)
+        self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics)
+        self.load = GatewayLoad(pool.admission.cpu_window_s)
+        self.load.on_capacity = self.queue.poke
+        self.instances = [InstanceState(i, pool, self.metrics, self.store, now, self.ejections,
+                                        self.load if pool.admission.gateway_load else None)
                           for i in pool.instances]
         self.upstream: Upstream | None = None
         self.relay = Relay(pool, self.metrics, self._http)
-        self.router = Router(pool, self.policy, self.instances, self.metrics, self.relay)
+        self.router = Router(pool, self.policy, self.instances, self.metrics, self.relay,
+                             self.queue)
         needs = self.policy.consumes
         src = pool.state.source
         self.pollers = Pollers(
@@ -112,6 +119,14 @@ class Gateway:
             insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,
                                       param="messages" if chat else "prompt")
             status = await router.route(req, ctl, insts, chat, send, t0)
+        except Shed as e:
+            status = 429
+            await send_error(send, ApiError(
+                429, f"no instance can meet this sheddable request's TTFT target now "
+                f"(target {e.target_s * 1000:.1f} ms, best forecast "
+                f"{e.forecast_s * 1000:.1f} ms); retry later", code="overloaded",
+                type_="rate_limit_error"),
+                [(b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())])
         except ApiError as e:
             status = e.status
             await send_error(send, e)

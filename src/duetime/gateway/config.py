@@ -5,7 +5,7 @@ URL``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -162,6 +162,17 @@ class HealthSpec(_Strict):
     fail_open: bool = True
 
 
+class AdmissionSpec(_Strict):
+    """``admission:`` what happens when no instance can meet a request's target, by its
+    priority (:mod:`duetime.gateway.admission`)."""
+
+    max_queued: int = Field(256, ge=0, le=100_000)  # critical requests waiting in the gateway
+    # the gateway's backlog (requests sent, no first token yet) x its measured CPU seconds per
+    # request, added to every forecast
+    gateway_load: bool = True
+    cpu_window_s: float = Field(1.0, gt=0, le=600)
+
+
 class PoolSpec(_Strict):
     instances: list[_InstanceIn] = Field(min_length=1)
     policy: str | dict[str, Any] = "sfs"
@@ -183,6 +194,7 @@ class PoolSpec(_Strict):
     state: StateSpec = StateSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
+    admission: AdmissionSpec = AdmissionSpec()
 
 
 
@@ -246,6 +258,7 @@ class Pool:
     state: StateSpec
     timeouts: TimeoutSpec
     health: HealthSpec
+    admission: AdmissionSpec = field(default_factory=AdmissionSpec)
     predictor: str | None = None  # trained predictors (quality, lengths, success), if any
     tokenizer: str | None = None  # a tokenizer folder or tokenizer.json, if any
     chat_template: str | None = None  # a chat template file overriding the folder's, if any
@@ -416,7 +429,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
-                predictor, tokenizer, chat_template)
+                admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
+                chat_template=chat_template)
 
 
 def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:

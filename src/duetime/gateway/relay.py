@@ -57,12 +57,16 @@ class Passthrough(Exception):
 @dataclass(slots=True)
 class Controls:
     """The client's per-request controls (headers): TTFT target, models already attempted,
-    session, task."""
+    session, task; its priority, time-per-output-token target and who it is (for fairness
+    among queued requests)."""
 
     target_s: float
     attempted: frozenset[str]
     session: str | None
     task: str
+    priority: str = "standard"
+    tpot_target_s: float | None = None
+    client: str = ""
 
 
 _UNSET: Any = object()
