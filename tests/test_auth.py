@@ -12,6 +12,11 @@ import contextlib
 import io
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -457,3 +462,28 @@ def test_keys_file_accepts_json(tmp_path):
     path.write_text(json.dumps([{"name": "j", "sha256": key_digest("k"), "tpm": 9}]))
     pool = pool_from_dict(config({"keys_file": str(path)}, emulate=False), "p")
     assert pool.auth is not None and [k.tpm for k in (pool.auth.keys or {}).values()] == [9]
+
+
+def test_duetime_emulate_reads_its_admin_token_from_the_environment():
+    env = {**os.environ, "DUETIME_EMULATOR_ADMIN_TOKEN": "tok-123"}
+    proc = subprocess.Popen([sys.executable, "-m", "duetime", "emulate", "--profile",
+                             "qwen3-0.6b", "--port", "0", "--log-level", "error"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                            text=True)
+    killer = threading.Timer(60.0, proc.kill)  # (bounded even if it never prints)
+    killer.start()
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # (the first line says where it listens)
+        m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
+        assert m, line
+        with httpx.Client(base_url=m.group(1), timeout=10) as c:
+            refused = c.get("/emulator/faults")
+            allowed = c.get("/emulator/faults", headers=auth_header("tok-123"))
+            models = c.get("/v1/models")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        killer.cancel()
+    assert refused.status_code == 401 and allowed.status_code == 200
+    assert models.status_code == 200  # the rest of the API is unchanged

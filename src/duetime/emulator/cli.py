@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from typing import Any
 
 from duetime.argtypes import port, positive_float, unit_rate
 from duetime.engine.profiles import profile_names
 
 log = logging.getLogger("duetime.emulator")
+ADMIN_TOKEN_ENV = "DUETIME_EMULATOR_ADMIN_TOKEN"
 
 
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
@@ -90,10 +92,11 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="fraction of requests that fail (default 0)")
     p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",
                    help="failure kinds drawn uniformly: 5xx, timeout, disconnect (default 5xx)")
-    p.add_argument("--admin-token", default=None, metavar="TOKEN",
+    p.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV) or None,
+                   metavar="TOKEN",
                    help="the bearer token its control routes (/emulator/faults, "
-                   "/emulator/speed) need (default: none, and then they are open on a loopback "
-                   "--host and closed on any other)")
+                   f"/emulator/speed) need (default: ${ADMIN_TOKEN_ENV}, which ps does not "
+                   "show; none: they are open on a loopback --host and closed on any other)")
     p.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight requests (default: "
                    "until they finish; a second Ctrl-C forces)")

@@ -128,6 +128,14 @@ def _where(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+def _problem(path: Path, i: int, err: Any) -> str:
+    """One pydantic error of entry ``i`` as ``FILE: [i].FIELD: reason``."""
+    where = f"[{i}]" + (f".{_where(err['loc'])}" if err["loc"] else "")
+    why = "unknown field" if err["type"] == "extra_forbidden" else \
+        err["msg"].removeprefix("Value error, ")
+    return f"{path}: {where}: {why}"
+
+
 def _read_entries(path: Path, model: type[_Entry]) -> list[Any]:
     """The entries of a keys file (a YAML or JSON list); ValueError naming the file, the entry
     and the reason."""
@@ -148,11 +156,7 @@ def _read_entries(path: Path, model: type[_Entry]) -> list[Any]:
         try:
             e = model.model_validate(raw)
         except ValidationError as err:
-            why = "; ".join(
-                f"{path}: [{i}]{'.' + _where(x['loc']) if x['loc'] else ''}: "
-                f"{'unknown field' if x['type'] == 'extra_forbidden' else x['msg'].removeprefix('Value error, ')}"
-                for x in err.errors())
-            raise ValueError(why) from None
+            raise ValueError("; ".join(_problem(path, i, x) for x in err.errors())) from None
         if e.name in names:
             raise ValueError(f"{path}: [{i}].name: duplicate key name {e.name!r}")
         if e.sha256 in digests:
