@@ -40,12 +40,15 @@ def admin_routes(gw: Gateway) -> list[Route]:
         now = time.monotonic()
         for s in gw.instances:
             s.refresh(now)
-        return JSONResponse({"policy": gw.pool.policy,
-                             "instances": [s.describe() for s in gw.instances]})
+        described = [s.describe() for s in gw.instances]
+        if not gw.auth.reveals_urls(request):  # names only (duetime.gateway.auth)
+            described = [{**d, "url": None, "last_error": d["last_error"] and "(hidden)"}
+                         for d in described]
+        return JSONResponse({"policy": gw.pool.policy, "instances": described})
 
-    return [
+    return gw.auth.protect([
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/duetime/instances", instances, methods=["GET"]),
-    ]
+    ])

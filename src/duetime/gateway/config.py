@@ -16,6 +16,7 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
+from duetime.gateway.auth import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
 
 ALIAS_DEFAULT = "auto"
@@ -195,6 +196,7 @@ class PoolSpec(_Strict):
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
     admission: AdmissionSpec = AdmissionSpec()
+    auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.auth)
 
 
 
@@ -262,6 +264,7 @@ class Pool:
     predictor: str | None = None  # trained predictors (quality, lengths, success), if any
     tokenizer: str | None = None  # a tokenizer folder or tokenizer.json, if any
     chat_template: str | None = None  # a chat template file overriding the folder's, if any
+    auth: AuthConfig | None = None  # API keys and admin keys, if configured
 
     @property
     def models(self) -> list[str]:
@@ -426,11 +429,12 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     if not math.isfinite(spec.lambda_):
         raise fail("lambda", "must be finite")
     policy, params = _policy(spec.policy, source)
+    auth = resolve_auth(spec.auth, base, models, spec.aliases, fail)
     return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
-                chat_template=chat_template)
+                chat_template=chat_template, auth=auth)
 
 
 def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:
