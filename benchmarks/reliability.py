@@ -187,8 +187,6 @@ async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16) 
         async with c.stream("POST", "/v1/chat/completions", json=payload) as r:
             if r.status_code != 200:
                 await r.aread()
-                (tally.lost if r.status_code >= 500 or r.status_code == 429
-                 else tally.other).__class__  # (for the type checker)
                 if r.status_code >= 500 or r.status_code == 429:
                     tally.lost += 1
                 else:
@@ -234,15 +232,17 @@ async def open_loop(url: str, n: int, rate: float, tally: Tally, seed: int = 0,
 
 async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None) -> None:
     counter = iter(range(n))
+    side: list[asyncio.Task] = []
 
     async def worker(c: httpx.AsyncClient) -> None:
         for k in counter:
             if during is not None and k == n // 3:
-                asyncio.create_task(during())
+                side.append(asyncio.create_task(during()))
             await one(c, k, tally)
 
     async with client(url, clients * 2) as c:
         await asyncio.gather(*(worker(c) for _ in range(clients)))
+    await asyncio.gather(*side)
 
 
 async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
