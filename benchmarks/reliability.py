@@ -13,9 +13,11 @@ before and after), ``sigterm`` (streams open when the gateway gets SIGTERM: each
 within the drain timeout or end with an error event).
 
 Half the requests stream. Prints one row per scenario: requests, succeeded, lost (retryable
-failures that reached the client: a 5xx, or a stream that ended with an error event), streams
-cut (no ``[DONE]`` and no error event), other failures, the gateway's RSS before and after
-(MB), and the gateway's exit code where the scenario stops it.
+failures that reached the client: a 5xx or 429, or a stream that ended with an error event
+before any of its answer), streams that broke mid-answer and ended with an error event (an
+instance killed under them: nothing to retry), streams cut (no ``[DONE]`` and no error
+event), other failures, the gateway's RSS before and after (MB), and the gateway's exit code
+where the scenario stops it.
 """
 
 from __future__ import annotations
@@ -151,12 +153,14 @@ class Tally:
     requests: int = 0
     succeeded: int = 0
     lost: int = 0          # retryable failures that reached the client
+    broken: int = 0        # streams that broke mid-answer and ended with an error event
     cut: int = 0           # streams without [DONE] and without an error event
     other: int = 0         # anything else (4xx, transport errors)
     notes: list[str] = field(default_factory=list)
 
     def row(self, name: str, rss: tuple[float, float], code: int | None) -> str:
-        return (f"| {name} | {self.requests} | {self.succeeded} | {self.lost} | {self.cut} | "
+        return (f"| {name} | {self.requests} | {self.succeeded} | {self.lost} | "
+                f"{self.broken} | {self.cut} | "
                 f"{self.other} | {rss[0]:.0f} → {rss[1]:.0f} | "
                 f"{'' if code is None else code} |")
 
@@ -194,13 +198,18 @@ async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16) 
                 tally.notes.append(f"{r.status_code} {r.text[:120]}")
                 return
             last = ""
+            content = False  # (a chunk before the last: the client had part of an answer)
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
+                    content = content or bool(last)
                     last = line[6:]
             if last == "[DONE]":
                 tally.succeeded += 1
             elif '"error"' in last:
-                tally.lost += 1
+                if content:  # broke mid-answer: nothing to retry, the client was told
+                    tally.broken += 1
+                else:
+                    tally.lost += 1
                 tally.notes.append(f"stream error event: {last[:120]}")
             else:
                 tally.cut += 1
@@ -301,9 +310,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.burst, args.soak_s = 200, 100, 5.0
-    print("| scenario | requests | succeeded | lost | streams cut | other | gateway RSS (MB) "
-          "| exit code |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| scenario | requests | succeeded | lost | broke mid-stream (error event) | "
+          "streams cut | other | gateway RSS (MB) | exit code |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.scenarios.split(","):
         row, tally = asyncio.run(scenario(name, args))
         print(row, flush=True)
