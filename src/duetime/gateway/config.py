@@ -17,6 +17,7 @@ from duetime.engine.config import SchedulerConfig
 from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
 from duetime.policy.registry import PolicyError, check_params, policy_names
+from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec
 
 ALIAS_DEFAULT = "auto"
 
@@ -172,6 +173,7 @@ class PoolSpec(_Strict):
     state: StateSpec = StateSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
+    limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.serving.limits)
 
 
 
@@ -238,6 +240,7 @@ class Pool:
     predictor: str | None = None  # trained predictors (quality, lengths, success), if any
     tokenizer: str | None = None  # a tokenizer folder or tokenizer.json, if any
     chat_template: str | None = None  # a chat template file overriding the folder's, if any
+    limits: LimitsSpec = DEFAULT_LIMITS  # protocol limits of the gateway's server
 
     @property
     def models(self) -> list[str]:
@@ -405,7 +408,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
-                predictor, tokenizer, chat_template)
+                predictor, tokenizer, chat_template, limits=spec.limits)
 
 
 def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:
