@@ -41,7 +41,11 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
               f"-d '{{\"prompt\": \"hello\", \"max_tokens\": 8}}'", flush=True)
         await stop.wait()
         log.info("shutting down", extra={"fields": {"event": "shutdown"}})
-        await server.stop()
+        cut = await server.stop()
+    if cut:
+        print(f"duetime emulate: stopped; {cut} request(s) still open at the drain timeout "
+              "were cut (each told so with an error)", flush=True)
+        return 3
     return 0
 
 
@@ -89,6 +93,8 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="failure kinds drawn uniformly: 5xx, timeout, disconnect (default 5xx)")
     p.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight requests (default: "
-                   "until they finish; a second Ctrl-C forces)")
+                   "until they finish; a second Ctrl-C forces); requests still open then are "
+                   "cut, each stream ending with a data: {\"error\": ...} event, and the "
+                   "exit status is 3")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default info)")
