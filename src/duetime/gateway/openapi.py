@@ -65,7 +65,7 @@ SCHEMAS: dict[str, Any] = {
             {"type": "string"},
             {"type": "array", "minItems": 1, "items": {"type": "integer"}},
             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]}}},
-    "ChatCompletion": {"type": "object", "required": ["id", "object", "choices"],
+    "Completion": {"type": "object", "required": ["id", "object", "choices"],
                        "properties": {
                            "id": {"type": "string"}, "object": {"type": "string"},
                            "created": {"type": "integer"}, "model": {"type": "string"},
@@ -113,7 +113,7 @@ def _completion(summary: str, request: str) -> dict[str, Any]:
                                              "event",
                               "content": {
                                   _JSON: {"schema": {"$ref": "#/components/schemas/"
-                                                             "ChatCompletion"}},
+                                                             "Completion"}},
                                   "text/event-stream": {"schema": {"type": "string"}}}},
                       **_COMPLETION_ERRORS}}}
 
@@ -151,7 +151,7 @@ PATHS: dict[str, dict[str, Any]] = {
         "200": _ok("an OpenAPI 3.0 document", {"type": "object"})}),
 }
 
-_PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
+_PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")  # a Starlette path parameter, {name:convertor}
 
 
 def openapi_document(routes: list[Any]) -> dict[str, Any]:
