@@ -265,6 +265,34 @@ def test_malformed_http_is_a_json_400():
     assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "invalid_http"
 
 
+def test_unhandled_exceptions_are_a_json_500_naming_nothing_of_them():
+    from duetime.serving.asgi import CompletionEndpoint, FastRoutes
+
+    async def boom(request: Request) -> JSONResponse:
+        raise RuntimeError("secret 10.0.0.7:8000")
+
+    async def fast_boom(scope: Any, raw: bytes, guard: Any, t0: float) -> None:
+        raise RuntimeError("secret 10.0.0.7:8000")
+
+    async def go() -> list[httpx.Response]:
+        app = Starlette(routes=[Route("/boom", boom)], exception_handlers=exception_handlers())
+        server = await AppServer(FastRoutes(app, {"/fast": CompletionEndpoint(fast_boom)})
+                                 ).start()
+        try:
+            async with httpx.AsyncClient(base_url=server.url) as c:
+                return [await c.get("/boom"), await c.post("/fast", content=b"{}")]
+        finally:
+            await server.stop()
+
+    logging.getLogger("uvicorn.error").disabled = True  # (the expected tracebacks)
+    try:
+        for r in run(go()):
+            is_error(r, 500, "internal_error")
+            assert b"secret" not in r.content and b"10.0.0.7" not in r.content
+    finally:
+        logging.getLogger("uvicorn.error").disabled = False
+
+
 # -- the gateway: bodies, error hygiene, routes -----------------------------------------------------
 
 def test_deep_json_is_400_not_500_and_ordinary_nesting_passes():
