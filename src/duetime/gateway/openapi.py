@@ -119,7 +119,9 @@ def _completion(summary: str, request: str) -> dict[str, Any]:
 
 
 def _get(summary: str, responses: dict[str, Any]) -> dict[str, Any]:
-    return {"get": {"summary": summary, "responses": responses}}
+    """A GET operation; any route may also answer a protocol error (408, 431, 503, 500)."""
+    return {"get": {"summary": summary, "responses": {
+        **responses, "default": _error("an error (a protocol limit, an internal error)")}}}
 
 
 _HEALTH = {"type": "object", "properties": {
