@@ -339,26 +339,55 @@ def test_connect_error_is_retried_and_ejects_at_once():
     assert metric(metrics, 'duetime_instance_healthy{instance="a"}') == 0
 
 
-def test_all_upstreams_failing_is_502_then_503_when_none_is_healthy():
+def test_all_upstreams_failing_is_502_and_the_pool_never_empties():
+    """Every attempt fails: each request is tried `retries` + 1 times over both instances,
+    then 502; one instance is ejected, the other stays in rotation (the budget: at most half
+    the pool out), so the next request is tried again rather than refused with a 503."""
     async def go():
         cfg = config(a={"emulate": {"fail_rate": 1.0}},
                      b={"emulate": {"fail_rate": 1.0, "fail_kinds": ["disconnect"]}},
-                     health={"interval_s": 30.0, "eject_after": 1})
-        async with gateway(cfg) as (_svc, c):
+                     health={"interval_s": 30.0, "eject_after": 1}, retries=3)
+        async with gateway(cfg) as (svc, c):
             r1 = await c.post("/v1/chat/completions", json=chat())
             r2 = await c.post("/v1/chat/completions", json=chat())
             h = await c.get("/health")
-            return r1, r2, h
+            healthy = [s.healthy for s in svc.gateway.instances]
+            return r1, r2, h, healthy, (await c.get("/metrics")).text
 
-    r1, r2, h = run(go())
+    r1, r2, h, healthy, metrics = run(go())
     assert r1.status_code == 502
     err = r1.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == "upstream_failed" and err["type"] == "upstream_error"
     # (each attempt's error is in the log; the client is told how many, never where)
-    assert "2 attempt(s)" in err["message"] and "127.0.0.1" not in err["message"]
-    assert r2.status_code == 503 and r2.json()["error"]["code"] == "no_healthy_instance"
-    assert h.status_code == 503
+    assert "after 4 attempt(s)" in err["message"] and "127.0.0.1" not in err["message"]
+    assert r2.status_code == 502 and r2.json()["error"]["code"] == "upstream_failed"
+    assert sorted(healthy) == [False, True]
+    assert sum(metric(metrics, f'duetime_ejections_refused_total{{instance="{n}"}}') or 0
+               for n in "ab") >= 1
+    assert h.status_code == 200  # (both still answer their probes)
+
+
+def test_a_model_whose_instances_are_all_ejected_fails_open_to_the_least_bad():
+    """`big` has one instance; once it is ejected a request for `big` is still sent to it
+    (and served, the fault gone) instead of a 503; with fail_open off it is a 503."""
+    async def go(fail_open: bool):
+        cfg = config(a={"emulate": {"fail_rate": 1.0}}, retries=0,
+                     health={"interval_s": 30.0, "eject_after": 1, "fail_open": fail_open})
+        async with gateway(cfg) as (svc, c):
+            r1 = await c.post("/v1/chat/completions", json=chat(model="big"))
+            svc.emulators["a"].faults = Faults()
+            out = not svc.gateway.instances[0].healthy
+            r2 = await c.post("/v1/chat/completions", json=chat(model="big"))
+            return r1, out, r2, (await c.get("/metrics")).text
+
+    r1, out, r2, metrics = run(go(True))
+    assert r1.status_code == 502 and out
+    assert r2.status_code == 200 and r2.headers["x-duetime-instance"] == "a"
+    assert metric(metrics, 'duetime_fail_open_total{instance="a"}') == 1
+    r1, out, r2, _ = run(go(False))
+    assert out and r2.status_code == 503
+    assert r2.json()["error"]["code"] == "no_healthy_instance"
 
 
 def test_first_token_timeout_is_retried():

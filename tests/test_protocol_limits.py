@@ -340,11 +340,19 @@ def test_a_megabyte_header_value_is_not_echoed_whole(caplog):
     err = is_error(r, 400)
     assert err["param"] == "x-duetime-ttft-ms"
     assert len(err["message"]) <= MAX_MESSAGE + len(TRUNCATED)
-    assert err["message"].endswith(TRUNCATED)
     assert len(r.content) < 1000
     is_error(r431, 431, "request_header_fields_too_large")
     lines = [JsonFormatter().format(rec) for rec in caplog.records]
     assert lines and max(len(line) for line in lines) < 2000
+
+
+def test_error_messages_are_clipped_and_marked():
+    from duetime.serving.errors import ApiError
+
+    err = ApiError(400, "got " + "z" * 10_000, param="p" * 1000)
+    assert err.message.endswith(TRUNCATED) and len(err.message) == MAX_MESSAGE + len(TRUNCATED)
+    assert len(err.encode()) < 600
+    assert ApiError(400, "short").message == "short"
 
 
 def test_failing_upstream_502_names_no_host_port_nor_library_error():

@@ -181,9 +181,11 @@ def kv_events_config(endpoint: str, replay: str) -> str:
 
 
 class _Proc:
-    def __init__(self, name: str, size: str, model_dir: Path, port: int, core: int, log: Path):
+    def __init__(self, name: str, size: str, model_dir: Path, port: int, core: int, log: Path,
+                 extra_flags: tuple[str, ...] = ()):
         self.name, self.size, self.model_dir, self.port, self.log = name, size, model_dir, port, log
         self.core = core
+        self.extra_flags = extra_flags
         self.popen: subprocess.Popen[bytes] | None = None
         self.kv_events = f"ipc://{log.parent / (name + '.kv')}"
         self.kv_events_replay = f"ipc://{log.parent / (name + '.kv-replay')}"
@@ -194,6 +196,7 @@ class _Proc:
             "--model", str(self.model_dir), "--served-model-name", self.name,
             "--host", "127.0.0.1", "--port", str(self.port), *SERVER_FLAGS,
             "--kv-events-config", kv_events_config(self.kv_events, self.kv_events_replay),
+            *self.extra_flags,
         ]  # fmt: skip
         env = _clean_env()
         # One engine thread per instance, each on its own core (vLLM binds OpenMP threads).
@@ -325,10 +328,11 @@ def _calibrate(server: VllmServer) -> VllmServer:
 
 
 @contextlib.contextmanager
-def one_server(name: str, who: str) -> Iterator[VllmServer]:
+def one_server(name: str, who: str, extra_flags: tuple[str, ...] = ()) -> Iterator[VllmServer]:
     """One of the suite's servers (``name``: a key of ``MODELS``) outside pytest, for the
-    benchmarks: its model built, started with the suite's flags, its engine on core 0, and
-    described (not calibrated); stopped on the way out. ``who`` names the caller in errors."""
+    benchmarks: its model built, started with the suite's flags (and ``extra_flags``), its
+    engine on core 0, and described (not calibrated); stopped on the way out. ``who`` names
+    the caller in errors."""
     import tempfile
 
     python = find_vllm_python()
@@ -336,7 +340,8 @@ def one_server(name: str, who: str) -> Iterator[VllmServer]:
         raise SystemExit(f"{who}: no vLLM venv ({SETUP_HINT})")
     dirs = _build_models(python, REPO / ".cache" / "vllm-models")
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _Proc(name, MODELS[name], dirs[name], _free_port(), 0, Path(tmp) / "server.log")
+        proc = _Proc(name, MODELS[name], dirs[name], _free_port(), 0, Path(tmp) / "server.log",
+                     extra_flags)
         try:
             proc.start(python)
             _wait_healthy([proc], START_TIMEOUT_S)

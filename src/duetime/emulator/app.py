@@ -11,6 +11,10 @@
 | ``GET/POST /emulator/faults`` | read / set failure injection ``{"rate", "kinds", "healthy"}`` (tests) |
 | ``GET/POST /emulator/speed`` | read / set the speed ``{"speed": X}`` from the next step on (a drifting server, tests) |
 
+The control routes (``/emulator/*``) need ``Authorization: Bearer TOKEN`` when the app is made
+with an ``admin_token`` (``duetime serve`` gives each embedded emulator one; ``duetime emulate
+--admin-token``), and answer 403 to everyone when made with ``control_open=False`` and no token.
+
 Request ids: a request's ``x-request-id`` header (if unused) names it in the engine and the
 snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|timeout|disconnect``
 forces that failure for one request (tests).
@@ -38,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from duetime.emulator.core import FAULT_KINDS, Emulator, EmuRequest, Faults
+from duetime.serving.access import bearer, same_secret
 from duetime.serving.asgi import (
     CompletionEndpoint,
     Disconnect,
@@ -239,8 +244,31 @@ def _error(e: ApiError) -> Response:
     return Response(e.encode(), status_code=e.status, media_type="application/json")
 
 
-def create_app(emu: Emulator) -> FastRoutes:
-    """The emulator's ASGI app (the engine's driver starts with the first request)."""
+def _control_guard(admin_token: str | None, control_open: bool) -> Any:
+    """The check of the control routes: None when they are open, else a function that returns
+    the error response for a request without the token (None for one with it)."""
+    if admin_token is None and control_open:
+        return None
+
+    def refuse(request: Request) -> Response | None:
+        if admin_token is None:
+            return _error(ApiError(403, "the emulator's control routes are closed (it listens "
+                                   "beyond loopback; start it with --admin-token)",
+                                   code="control_closed"))
+        if same_secret(bearer(request.headers.get("authorization")), admin_token):
+            return None
+        return _error(ApiError(401, "the emulator's control routes need its admin token: "
+                               "Authorization: Bearer TOKEN", code="invalid_api_key",
+                               type_="invalid_request_error"))
+    return refuse
+
+
+def create_app(emu: Emulator, *, admin_token: str | None = None,
+               control_open: bool = True) -> FastRoutes:
+    """The emulator's ASGI app (the engine's driver starts with the first request).
+    ``admin_token``: the bearer token its control routes (``/emulator/*``) need;
+    ``control_open=False`` without a token closes them."""
+    guard = _control_guard(admin_token, control_open)
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
@@ -274,6 +302,8 @@ def create_app(emu: Emulator) -> FastRoutes:
                         headers={"x-duetime-clock": repr(clock)})
 
     async def faults(request: Request) -> Response:
+        if guard is not None and (refused := guard(request)) is not None:
+            return refused
         if request.method == "POST":
             try:
                 d = parse_json(await request.body())
@@ -293,6 +323,8 @@ def create_app(emu: Emulator) -> FastRoutes:
         return JSONResponse({"rate": f.rate, "kinds": list(f.kinds), "healthy": f.healthy})
 
     async def speed(request: Request) -> Response:
+        if guard is not None and (refused := guard(request)) is not None:
+            return refused
         if request.method == "POST":
             try:
                 d = parse_json(await request.body())

@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from typing import Any
 
 from duetime.argtypes import port, positive_float, unit_rate
 from duetime.engine.profiles import profile_names
 
 log = logging.getLogger("duetime.emulator")
+ADMIN_TOKEN_ENV = "DUETIME_EMULATOR_ADMIN_TOKEN"
 
 
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.emulator import Faults, create_app, emulator_from_profile
+    from duetime.serving.access import is_loopback
     from duetime.serving.server import AppServer, ServeError, shutdown_signals
 
     try:
@@ -25,8 +28,10 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     emu = emulator_from_profile(args.profile, model_name=args.model_name, speed=args.speed,
                                 seed=args.seed, faults=faults, output_median=args.output_median,
                                 enable_prefix_caching=args.enable_prefix_caching)
+    # control routes: open on loopback, need the token when one is given, closed otherwise
+    app = create_app(emu, admin_token=args.admin_token, control_open=is_loopback(args.host))
     try:
-        server = AppServer(create_app(emu), host=args.host, port=args.port,
+        server = AppServer(app, host=args.host, port=args.port,
                            graceful_timeout_s=args.drain_timeout)
     except ServeError as e:
         raise error(str(e)) from None
@@ -91,6 +96,11 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="fraction of requests that fail (default 0)")
     p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",
                    help="failure kinds drawn uniformly: 5xx, timeout, disconnect (default 5xx)")
+    p.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV) or None,
+                   metavar="TOKEN",
+                   help="the bearer token its control routes (/emulator/faults, "
+                   f"/emulator/speed) need (default: ${ADMIN_TOKEN_ENV}, which ps does not "
+                   "show; none: they are open on a loopback --host and closed on any other)")
     p.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight requests (default: "
                    "until they finish; a second Ctrl-C forces); requests still open then are "

@@ -1,32 +1,53 @@
-"""The gateway's plain routes: ``/v1/models``, ``/health``, ``/metrics`` and
-``/duetime/instances`` (the completion routes are raw ASGI, see :mod:`duetime.gateway.app`)."""
+"""The gateway's plain routes: ``/v1/models`` and ``/v1/models/{id}``, ``/health``,
+``/metrics`` and ``/duetime/instances`` (the completion routes are raw ASGI, see
+:mod:`duetime.gateway.app`)."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from duetime.serving.errors import ApiError
+
 if TYPE_CHECKING:
     from duetime.gateway.app import Gateway
 
 
+def model_objects(gw: Gateway) -> list[dict[str, Any]]:
+    """The pool's models as OpenAI model objects: its aliases, then each model it serves."""
+    created = int(time.time())
+    data: list[dict[str, Any]] = [
+        {"id": a, "object": "model", "created": created, "owned_by": "duetime"}
+        for a in gw.pool.aliases]
+    data += [{"id": m, "object": "model", "created": created, "owned_by": "duetime",
+              "instances": [s.name for s in insts]}
+             for m, insts in gw.router.by_model.items()]
+    return data
+
+
 def admin_routes(gw: Gateway) -> list[Route]:
     async def models(request: Request) -> Response:
-        created = int(time.time())
-        data = [{"id": a, "object": "model", "created": created, "owned_by": "duetime"}
-                for a in gw.pool.aliases]
-        data += [{"id": m, "object": "model", "created": created, "owned_by": "duetime",
-                  "instances": [s.name for s in insts]}
-                 for m, insts in gw.router.by_model.items()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": model_objects(gw)})
+
+    async def model(request: Request) -> Response:
+        """OpenAI's retrieve-model: the list's object for a known id (an alias included)."""
+        wanted = request.path_params["model"]
+        found = next((m for m in model_objects(gw) if m["id"] == wanted), None)
+        if found is not None:
+            return JSONResponse(found)
+        err = ApiError(404, f"The model {wanted!r} does not exist", param="model",
+                       code="model_not_found")
+        return JSONResponse(err.body(), status_code=err.status)
 
     async def health(request: Request) -> Response:
-        n = sum(s.healthy for s in gw.instances)
+        # in rotation and answering its probes (the ejection budget keeps some instance in
+        # rotation however it fails: a pool whose every instance fails its probe is down)
+        n = sum(s.healthy and s.health.probe_ok for s in gw.instances)
         return JSONResponse({"status": "ok" if n else "unavailable",
                              "healthy_instances": n, "instances": len(gw.instances)},
                             status_code=200 if n else 503)
@@ -38,12 +59,16 @@ def admin_routes(gw: Gateway) -> list[Route]:
         now = time.monotonic()
         for s in gw.instances:
             s.refresh(now)
-        return JSONResponse({"policy": gw.pool.policy,
-                             "instances": [s.describe() for s in gw.instances]})
+        described = [s.describe() for s in gw.instances]
+        if not gw.auth.reveals_urls(request):  # names only (duetime.gateway.auth)
+            described = [{**d, "url": None, "last_error": d["last_error"] and "(hidden)"}
+                         for d in described]
+        return JSONResponse({"policy": gw.pool.policy, "instances": described})
 
-    return [
+    return gw.auth.protect([
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/duetime/instances", instances, methods=["GET"]),
-    ]
+    ])

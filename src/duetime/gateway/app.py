@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -24,7 +25,10 @@ from starlette.routing import Route
 
 from duetime.engine.warmup import warm_up
 from duetime.gateway.admin import admin_routes
+from duetime.gateway.admission import AdmissionQueue, GatewayLoad, Shed
+from duetime.gateway.auth import NO_GRANT, Auth
 from duetime.gateway.config import Pool
+from duetime.gateway.health import EjectionBudget
 from duetime.gateway.inflight import FlightStore, MemoryStore
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
@@ -44,9 +48,11 @@ log = logging.getLogger("duetime.gateway")
 
 class Gateway:
     """The gateway's state and behaviour; :meth:`app` is its ASGI app. ``store`` keeps the
-    in-flight requests (this process's memory by default)."""
+    in-flight requests (this process's memory by default); ``host``: where it listens (None:
+    loopback), which the API-key checks consider (:mod:`duetime.gateway.auth`)."""
 
-    def __init__(self, pool: Pool, *, store: FlightStore | None = None) -> None:
+    def __init__(self, pool: Pool, *, store: FlightStore | None = None,
+                 host: str | None = None) -> None:
         missing = [i.name for i in pool.instances if i.url is None]
         if missing:
             raise ValueError(f"instances without a URL (start their emulators first): {missing}")
@@ -54,13 +60,20 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.policy = make_policy(pool.policy, pool.policy_params, defaults={
             "lambda": pool.lam, "seed": pool.seed, "delta": pool.delta, "alpha": pool.alpha})
-        self.store = store if store is not None else MemoryStore()
+        self.auth = Auth(pool.auth, self.metrics.registry, host=host)
+        self.store = self.auth.meter(store if store is not None else MemoryStore())
         now = time.monotonic()
-        self.instances = [InstanceState(i, pool, self.metrics, self.store, now)
+        self.ejections = EjectionBudget(len(pool.instances), pool.health.max_ejected_fraction)
+        self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics)
+        self.load = GatewayLoad(pool.admission.cpu_window_s)
+        self.load.on_capacity = self.queue.poke
+        self.instances = [InstanceState(i, pool, self.metrics, self.store, now, self.ejections,
+                                        self.load if pool.admission.gateway_load else None)
                           for i in pool.instances]
         self.upstream: Upstream | None = None
         self.relay = Relay(pool, self.metrics, self._http)
-        self.router = Router(pool, self.policy, self.instances, self.metrics, self.relay)
+        self.router = Router(pool, self.policy, self.instances, self.metrics, self.relay,
+                             self.queue)
         needs = self.policy.consumes
         src = pool.state.source
         self.pollers = Pollers(
@@ -74,6 +87,8 @@ class Gateway:
         if self.upstream is not None:
             return
         warm_up()
+        if (warning := self.auth.warning()) is not None:
+            log.warning(warning, extra={"fields": {"event": "auth_warning"}})
         t = self.pool.timeouts
         self.upstream = Upstream(connect_s=t.connect_s, read_s=t.read_s)
         await self.upstream.start()
@@ -105,17 +120,31 @@ class Gateway:
         route = "chat" if chat else "completions"
         status = 500
         self.pollers.request_arrived(t0)
+        grant = NO_GRANT
         try:
+            key = self.auth.identify(scope)  # (401 before the body is looked at)
+            if key is not None:  # (whose turn it is among queued requests: per key)
+                scope["duetime.client"] = f"key:{key.name}"
             req = parse_completion(raw, chat=chat)
             router = self.router
             req.prompt_tokens = router.count_tokens(req)
+            grant = self.auth.admit(key, req.model, req.prompt_tokens)
+            send = grant.wrap(send)
             ctl = router.controls(scope, req.prompt_tokens)
             insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,
                                       param="messages" if chat else "prompt")
             status = await router.route(req, ctl, insts, chat, send, t0)
+        except Shed as e:
+            status = 429
+            await send_error(send, ApiError(
+                429, f"no instance can meet this sheddable request's TTFT target now "
+                f"(target {e.target_s * 1000:.1f} ms, best forecast "
+                f"{e.forecast_s * 1000:.1f} ms); retry later", code="overloaded",
+                type_="rate_limit_error"),
+                [(b"retry-after", str(max(1, math.ceil(e.retry_after_s))).encode())])
         except ApiError as e:
             status = e.status
-            await send_error(send, e)
+            await send_error(send, e, getattr(e, "headers", None))
             log.info("request", extra={"fields": {
                 "event": "request", "status": status, "route": route, "error": e.message,
                 "e2e_ms": round((time.monotonic() - t0) * 1000, 2)}})
@@ -131,6 +160,7 @@ class Gateway:
                 await send_error(send, ApiError(500, "internal error in the gateway (the "
                                                 "log has it)", code="internal_error"))
         finally:
+            grant.settle()
             self.metrics.requests.labels(route, str(status)).inc()
 
     # -- the app ----------------------------------------------------------------------------------

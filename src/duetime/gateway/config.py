@@ -5,7 +5,7 @@ URL``)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +16,7 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
+from duetime.gateway.auth import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
 from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec
 
@@ -149,9 +150,29 @@ class TimeoutSpec(_Strict):
 
 
 class HealthSpec(_Strict):
+    """``health:`` probes, outlier detection and how much of the pool may be ejected
+    (:mod:`duetime.gateway.health`)."""
+
     interval_s: float = Field(1.0, gt=0)
-    eject_after: int = Field(3, ge=1)
     timeout_s: float = Field(1.0, gt=0)
+    eject_after: int = Field(3, ge=1)          # failures in a row
+    window_s: float = Field(10.0, gt=0)        # the failure-rate window
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    min_requests: int = Field(5, ge=1)         # in the window, before the rate counts
+    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
+    # none of a request's candidates in rotation: try the least bad one instead of a 503
+    fail_open: bool = True
+
+
+class AdmissionSpec(_Strict):
+    """``admission:`` what happens when no instance can meet a request's target, by its
+    priority (:mod:`duetime.gateway.admission`)."""
+
+    max_queued: int = Field(256, ge=0, le=100_000)  # critical requests waiting in the gateway
+    # the gateway's backlog (requests sent, no first token yet) x its measured CPU seconds per
+    # request, added to every forecast
+    gateway_load: bool = True
+    cpu_window_s: float = Field(1.0, gt=0, le=600)
 
 
 class PoolSpec(_Strict):
@@ -161,7 +182,9 @@ class PoolSpec(_Strict):
     delta: float = Field(1.0e-6, ge=0)
     alpha: float = Field(0.7, ge=0)
     seed: int = 0
-    retries: int = Field(2, ge=0, le=10)
+    # more attempts after a failed one (never the same instance twice until every one in
+    # rotation was tried); a 5xx, a refused connection or a broken stream costs milliseconds
+    retries: int = Field(5, ge=0, le=10)
     default_output_tokens: int = Field(256, ge=1)
     aliases: list[str] = [ALIAS_DEFAULT]
     # a model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja) or a
@@ -173,6 +196,8 @@ class PoolSpec(_Strict):
     state: StateSpec = StateSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
+    admission: AdmissionSpec = AdmissionSpec()
+    auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.auth)
     limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.serving.limits)
 
 
@@ -237,9 +262,11 @@ class Pool:
     state: StateSpec
     timeouts: TimeoutSpec
     health: HealthSpec
+    admission: AdmissionSpec = field(default_factory=AdmissionSpec)
     predictor: str | None = None  # trained predictors (quality, lengths, success), if any
     tokenizer: str | None = None  # a tokenizer folder or tokenizer.json, if any
     chat_template: str | None = None  # a chat template file overriding the folder's, if any
+    auth: AuthConfig | None = None  # API keys and admin keys, if configured
     limits: LimitsSpec = DEFAULT_LIMITS  # protocol limits of the gateway's server
 
     @property
@@ -405,10 +432,12 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     if not math.isfinite(spec.lambda_):
         raise fail("lambda", "must be finite")
     policy, params = _policy(spec.policy, source)
+    auth = resolve_auth(spec.auth, base, models, spec.aliases, fail)
     return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
-                predictor, tokenizer, chat_template, limits=spec.limits)
+                admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
+                chat_template=chat_template, auth=auth, limits=spec.limits)
 
 
 def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:

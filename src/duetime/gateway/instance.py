@@ -26,9 +26,10 @@ from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
 from duetime.estimate.correction import TtftCorrection
 from duetime.estimate.prefix_index import EngineCacheIndex
+from duetime.gateway.admission import GatewayLoad
 from duetime.gateway.config import Instance, Pool
 from duetime.gateway.event_cache import EventCache
-from duetime.gateway.health import HealthTracker
+from duetime.gateway.health import EjectionBudget, HealthTracker
 from duetime.gateway.inflight import Flight, FlightStore, InFlight
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.published import PublishedSnapshots
@@ -43,7 +44,12 @@ class InstanceState:
     """One instance: identity, health, in-flight requests and the live views of it."""
 
     def __init__(self, instance: Instance, pool: Pool, metrics: GatewayMetrics,
-                 store: FlightStore, now: float | None = None) -> None:
+                 store: FlightStore, now: float | None = None,
+                 budget: EjectionBudget | None = None, load: GatewayLoad | None = None) -> None:
+        """``budget``: the pool's ejection budget, shared by its instances (alone: none may
+        be ejected). ``load``: the gateway's own backlog, added to every forecast's
+        overhead (:mod:`duetime.gateway.admission`; none: nothing added)."""
+        self.load = load
         now = time.monotonic() if now is None else now
         self.instance = instance
         self.name = instance.name
@@ -62,7 +68,10 @@ class InstanceState:
                        if instance.kv_events is not None else None)
         self.published = PublishedSnapshots(None if instance.snapshot == "auto" else False)
         self.scraped = ScrapedMetrics()
-        self.health = HealthTracker(instance.name, pool.health.eject_after, metrics)
+        h = pool.health
+        self.health = HealthTracker(instance.name, metrics, budget or EjectionBudget(1, 0.0),
+                                    eject_after=h.eject_after, window_s=h.window_s,
+                                    failure_rate=h.failure_rate, min_requests=h.min_requests)
 
     def _replica(self, now: float) -> None:
         """A new shadow replica of the instance as configured now."""
@@ -173,7 +182,9 @@ class InstanceState:
 
     @property
     def request_overhead_s(self) -> float:
-        return self.instance.request_overhead_s
+        """The instance's own (calibrated) overhead, plus what the gateway's backlog adds."""
+        own = self.instance.request_overhead_s
+        return own if self.load is None else own + self.load.delay_s()
 
     # -- time -----------------------------------------------------------------------------------
 
@@ -224,12 +235,16 @@ class InstanceState:
         self.shadow.add(f, now)
         self.inflight.dispatch(f)
         self.metrics.in_flight.labels(self.name).inc()
+        if self.load is not None:
+            self.load.sent()
         return f
 
     def first_token(self, f: Flight, now: float) -> None:
         if f.raw_forecast is not None:
             self.ttft_correction.observe(f.raw_forecast, now - f.dispatched)
             self.metrics.ttft_correction.labels(self.name).set(self.ttft_correction.factor)
+        if self.load is not None and f.first_token is None:
+            self.load.answered()
         self.inflight.first_token(f, now)
         self.shadow.first_token(f, now)
         if self.events is not None and f.shadowed:
@@ -244,6 +259,10 @@ class InstanceState:
             return
         self.shadow.remove(f)
         self.metrics.in_flight.labels(self.name).dec()
+        if self.load is not None:
+            if f.first_token is None:
+                self.load.answered()
+            self.load.completed()
 
     def describe(self) -> dict[str, object]:
         """For ``GET /duetime/instances`` (refresh first for an up-to-date queue)."""

@@ -64,6 +64,25 @@ class GatewayMetrics:
                                ["instance"], registry=r)
         self.ejections = Counter("duetime_ejections", "Times an instance was ejected.",
                                  ["instance"], registry=r)
+        self.ejections_refused = Counter(
+            "duetime_ejections_refused", "Ejections not made because the pool's budget "
+            "(health.max_ejected_fraction) was spent.", ["instance"], registry=r)
+        self.queued = Gauge("duetime_admission_queued",
+                            "Critical requests waiting in the gateway for an instance that can "
+                            "meet their target.", registry=r)
+        self.admission = Counter(
+            "duetime_admission", "Requests by priority and admission outcome: on_time (a "
+            "forecast met the target), queued (waited in the gateway), shed (429), late (sent "
+            "to the best forecast, which misses the target).", ["priority", "outcome"],
+            registry=r)
+        self.tpot_target = Counter(
+            "duetime_tpot_target", "Requests with an x-slo-tpot-ms target by outcome "
+            "(on_time / late): mean time per output token after the first.", ["outcome"],
+            registry=r)
+        self.fail_open = Counter(
+            "duetime_fail_open", "Attempts sent to an ejected instance because none of the "
+            "request's candidates was in rotation (health.fail_open).", ["instance"],
+            registry=r)
         self.cached_tokens = Counter(
             "duetime_prefix_cached_tokens",
             "Prompt tokens the gateway believed cached at the instance when it dispatched "

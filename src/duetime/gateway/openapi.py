@@ -81,6 +81,15 @@ _HEADERS = [
     {"name": "x-duetime-ttft-ms", "in": "header", "required": False,
      "description": "the request's TTFT target in ms, in (0, 3600000]",
      "schema": {"type": "string"}},
+    {"name": "x-slo-ttft-ms", "in": "header", "required": False,
+     "description": "llm-d's TTFT target in ms (when x-duetime-ttft-ms is absent)",
+     "schema": {"type": "string"}},
+    {"name": "x-slo-tpot-ms", "in": "header", "required": False,
+     "description": "llm-d's time-per-output-token target in ms (counted)",
+     "schema": {"type": "string"}},
+    {"name": "x-duetime-priority", "in": "header", "required": False,
+     "description": "critical, standard (the default) or sheddable",
+     "schema": {"type": "string"}},
     {"name": "x-duetime-attempted", "in": "header", "required": False,
      "description": "comma-separated models the client already tried",
      "schema": {"type": "string"}},
@@ -92,9 +101,13 @@ _HEADERS = [
 ]
 _COMPLETION_ERRORS = {
     "400": _error("invalid request (JSON, fields, headers), or a prompt no instance can hold"),
+    "401": _error("no API key, or an unknown one (when the pool has keys)"),
+    "403": _error("the key may not call the model"),
     "404": _error("the model does not exist"),
     "408": _error("the request's headers or body did not arrive in time"),
     "413": _error("the request body is too large"),
+    "429": _error("past the key's rate limits, or shed (x-duetime-priority: sheddable) when "
+                  "no instance can meet its target"),
     "500": _error("internal error of the gateway"),
     "502": _error("every attempt failed upstream"),
     "503": _error("no healthy instance serves the model, or too many connections"),
@@ -136,7 +149,7 @@ PATHS: dict[str, dict[str, Any]] = {
     "/v1/models": _get("the pool's models and aliases", {"200": _ok("the models", {
         "type": "object", "properties": {"object": {"type": "string"}, "data": {
             "type": "array", "items": {"$ref": "#/components/schemas/Model"}}}})}),
-    "/v1/models/{id}": _get("one model or alias", {
+    "/v1/models/{model}": _get("one model or alias", {
         "200": _ok("the model", {"$ref": "#/components/schemas/Model"}),
         "404": _error("no such model")}),
     "/health": _get("the gateway's health", {

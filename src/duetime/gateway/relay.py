@@ -29,6 +29,7 @@ from duetime.gateway.config import Pool
 from duetime.gateway.inflight import Flight
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.reassembly import Reassembly
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.serving.asgi import Send, send_json
 from duetime.serving.requests import CompletionRequest
@@ -57,15 +58,16 @@ class Passthrough(Exception):
 @dataclass(slots=True)
 class Controls:
     """The client's per-request controls (headers): TTFT target, models already attempted,
-    session, task."""
+    session, task; its priority, time-per-output-token target and who it is (for fairness
+    among queued requests)."""
 
     target_s: float
     attempted: frozenset[str]
     session: str | None
     task: str
-
-
-_UNSET: Any = object()
+    priority: str = "standard"
+    tpot_target_s: float | None = None
+    client: str = ""
 
 
 @dataclass(slots=True)
@@ -76,13 +78,8 @@ class _Stream:
     done: bool = False
     usage: dict[str, Any] | None = None
     error: bytes | None = None
-    # reassembly (non-streaming clients)
-    text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: Any = _UNSET  # vLLM's: the stop string or token id that ended the output
-    id: str | None = None
-    created: int | None = None
-    model: str | None = None
+    # the chunks merged, for a non-streaming client
+    answer: Reassembly = field(default_factory=Reassembly)
 
 
 class Relay:
@@ -171,7 +168,7 @@ class Relay:
                                         .decode(errors="replace"))
                 await finish(resp)
                 finished = True
-                body = _reassemble(st, chat, inst.model)
+                body = _reassemble(st, req, chat, inst.model)
                 await send_json(send, 200, body, headers)
             output_tokens = (st.usage or {}).get("completion_tokens", st.tokens)
             self.log_request(rid, inst, flight, t0, 200, attempt, output_tokens, ctl,
@@ -212,8 +209,10 @@ class Relay:
                 out.append(ev + b"\n\n")
                 continue
             if b'"choices":[]' in data or b'"choices": []' in data:
-                with contextlib.suppress(ValueError):
-                    st.usage = json.loads(data).get("usage")
+                chunk = _decode(data)
+                st.usage = chunk.get("usage") or st.usage
+                if collect:  # (it may carry more: vLLM's system_fingerprint)
+                    st.answer.add(chunk)
                 if req.include_usage and req.stream:
                     out.append(ev + b"\n\n")
                 continue
@@ -224,7 +223,7 @@ class Relay:
             if not (b'"role"' in data and b'"content":""' in data):
                 st.tokens += 1
             if collect:
-                _collect(st, data)
+                st.answer.add(_decode(data))
             else:
                 out.append(ev + b"\n\n")
         inst.progress(flight, st.tokens)
@@ -274,38 +273,16 @@ def _brief(data: bytes, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _collect(st: _Stream, data: bytes) -> None:
+def _decode(data: bytes) -> dict[str, Any]:
+    """An event's JSON object; an undecodable one counts as empty (its tokens were counted)."""
     try:
-        d = json.loads(data)
+        chunk = json.loads(data)
     except ValueError:
-        return
-    st.id = st.id or d.get("id")
-    st.created = st.created or d.get("created")
-    st.model = st.model or d.get("model")
-    for ch in d.get("choices") or ():
-        delta = ch.get("delta")
-        piece = (delta or {}).get("content") if delta is not None else ch.get("text")
-        if piece:
-            st.text.append(piece)
-        if ch.get("finish_reason"):
-            st.finish_reason = ch["finish_reason"]
-        if "stop_reason" in ch and (ch["stop_reason"] is not None or st.stop_reason is _UNSET):
-            st.stop_reason = ch["stop_reason"]
-    if d.get("usage"):
-        st.usage = d["usage"]
+        return {}
+    return chunk if isinstance(chunk, dict) else {}
 
 
-def _reassemble(st: _Stream, chat: bool, model: str) -> bytes:
-    text = "".join(st.text)
-    if chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": st.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": st.finish_reason}
-        obj = "text_completion"
-    if st.stop_reason is not _UNSET:  # an upstream that reports it (vLLM) gets it relayed
-        choice["stop_reason"] = st.stop_reason
-    body = {"id": st.id, "object": obj, "created": st.created or int(time.time()),
-            "model": st.model or model, "choices": [choice], "usage": st.usage}
+def _reassemble(st: _Stream, req: CompletionRequest, chat: bool, model: str) -> bytes:
+    """The non-streaming body of what the stream carried (see :mod:`duetime.gateway.reassembly`)."""
+    body = st.answer.body(chat=chat, model=model, tool_choice=req.body.get("tool_choice"))
     return json.dumps(body, separators=(",", ":")).encode()

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from duetime.estimate.base import KeysByBlockSize
+from duetime.gateway.admission import PRIORITIES, AdmissionQueue, Shed
 from duetime.gateway.config import Pool
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
@@ -39,11 +40,30 @@ log = logging.getLogger("duetime.gateway")
 
 MEAN_TASK = "*"  # no task given and no default: each model's mean quality over the tasks
 
+def _milliseconds(scope: Scope, name: bytes) -> float | None:
+    """A header's value in milliseconds, in (0, 3600000] (400 otherwise); None if absent."""
+    raw = header(scope, name)
+    if raw is None:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not (math.isfinite(ms) and 0 < ms <= 3.6e6):
+        what = name.decode()
+        raise ApiError(400, f"{what} must be a number of milliseconds in (0, 3600000], got "
+                       f"{raw[:40]!r}", param=what, code="invalid_header")
+    return ms
+
+
 class Router:
     """Chooses instances for requests and runs the attempts (through the :class:`Relay`)."""
 
     def __init__(self, pool: Pool, policy: Policy, instances: list[InstanceState],
-                 metrics: GatewayMetrics, relay: Relay) -> None:
+                 metrics: GatewayMetrics, relay: Relay,
+                 queue: AdmissionQueue | None = None) -> None:
+        """``queue``: where critical requests wait (none: they go to the best forecast)."""
+        self.queue = queue
         self.pool = pool
         self.policy = policy
         self.consumes = policy.consumes
@@ -69,20 +89,24 @@ class Router:
     # -- the request ------------------------------------------------------------------------------
 
     def controls(self, scope: Scope, prompt_tokens: int) -> Controls:
-        """The request's headers: ``x-duetime-ttft-ms``, ``x-duetime-attempted``,
+        """The request's headers: ``x-duetime-ttft-ms`` (else llm-d's ``x-slo-ttft-ms``),
+        ``x-slo-tpot-ms``, ``x-duetime-priority``, ``x-duetime-attempted``,
         ``x-session-id``, ``x-duetime-task`` (400 on a bad value)."""
-        raw = header(scope, b"x-duetime-ttft-ms")
-        if raw is None:
+        target_ms = _milliseconds(scope, b"x-duetime-ttft-ms")
+        if target_ms is None:
+            target_ms = _milliseconds(scope, b"x-slo-ttft-ms")
+        if target_ms is None:
             target_ms = self.pool.target_ms(prompt_tokens)
+        tpot_ms = _milliseconds(scope, b"x-slo-tpot-ms")
+        priority = header(scope, b"x-duetime-priority")
+        if priority is None:
+            priority = "standard"
+        elif priority.strip().lower() in PRIORITIES:
+            priority = priority.strip().lower()
         else:
-            try:
-                target_ms = float(raw)
-            except ValueError:
-                target_ms = math.nan
-            if not (math.isfinite(target_ms) and 0 < target_ms <= 3.6e6):
-                raise ApiError(400, f"x-duetime-ttft-ms must be a number of milliseconds in "
-                               f"(0, 3600000], got {raw!r}", param="x-duetime-ttft-ms",
-                               code="invalid_header")
+            raise ApiError(400, f"x-duetime-priority must be one of {', '.join(PRIORITIES)}, "
+                           f"got {priority[:40]!r}", param="x-duetime-priority",
+                           code="invalid_header")
         attempted: frozenset[str] = frozenset()
         raw = header(scope, b"x-duetime-attempted")
         if raw is not None and raw.strip():
@@ -100,7 +124,9 @@ class Router:
             raise ApiError(400, f"x-duetime-task: unknown task {task!r}; known: "
                            f"{', '.join(self.tasks)}", param="x-duetime-task",
                            code="invalid_header")
-        return Controls(target_ms / 1000.0, attempted, session or None, task)
+        client = scope.get("duetime.client") or (scope.get("client") or ("",))[0]
+        return Controls(target_ms / 1000.0, attempted, session or None, task, priority,
+                        None if tpot_ms is None else tpot_ms / 1000.0, str(client))
 
     def candidates(self, model: str | None, prompt_tokens: int, max_tokens: int | None, *,
                    param: str = "messages") -> list[InstanceState]:
@@ -167,6 +193,52 @@ class Router:
 
     # -- choose and attempt -------------------------------------------------------------------------
 
+    async def _admit(self, forecast: float | None, target_s: float, ctl: Controls,
+                     waited: bool) -> bool:
+        """Whether the request goes to the decision's instance now (True), or was queued and
+        must be decided again (False). A forecast that meets the target (or none made): now.
+        Otherwise by priority: ``sheddable`` raises :class:`Shed`; ``critical`` waits in the
+        queue (once) until capacity frees or its target is spent; ``standard``, and a
+        critical one that has waited or finds the queue full, goes to the best forecast."""
+        m = self.metrics.admission
+        if forecast is None or not math.isfinite(forecast) or forecast <= target_s:
+            m.labels(ctl.priority, "queued" if waited else "on_time").inc()
+            return True
+        if ctl.priority == "sheddable":
+            m.labels(ctl.priority, "shed").inc()
+            raise Shed(forecast - target_s, forecast, target_s)
+        if ctl.priority == "critical" and not waited and self.queue is not None:
+            if await self.queue.wait(ctl.client, target_s):
+                return False
+            return False  # (its target is spent, or the queue is full: decide once more)
+        m.labels(ctl.priority, "late").inc()
+        return True
+
+    def _tpot_outcome(self, ctl: Controls, flight) -> None:
+        """Count whether the request met its ``x-slo-tpot-ms`` target (mean time per output
+        token after the first), where it had one."""
+        if ctl.tpot_target_s is None or flight.first_token is None or flight.tokens < 2:
+            return
+        tpot = (time.monotonic() - flight.first_token) / (flight.tokens - 1)
+        self.metrics.tpot_target.labels("on_time" if tpot <= ctl.tpot_target_s
+                                        else "late").inc()
+
+    def rotation(self, insts: list[InstanceState],
+                 tried: set[str]) -> tuple[list[InstanceState], bool]:
+        """The candidates of the next attempt, and whether they are a fail-open choice: the
+        ones in rotation not tried yet; once every one in rotation has been tried, those
+        again (a failed attempt may pass on a retry: faults are per request); with none in
+        rotation, the least bad instance (``health.fail_open``; see
+        :meth:`HealthTracker.badness`), untried first, or none."""
+        healthy = [s for s in insts if s.healthy]
+        untried = [s for s in healthy if s.name not in tried]
+        if untried or healthy:
+            return untried or healthy, False
+        if not self.pool.health.fail_open or not insts:
+            return [], False
+        rest = [s for s in insts if s.name not in tried] or insts
+        return [min(rest, key=lambda s: s.health.badness())], True
+
     async def route(self, req: CompletionRequest, ctl: Controls, insts: list[InstanceState],
                     chat: bool, send: Send, t0: float) -> int:
         """Choose, attempt, retry; returns the status answered (raises ApiError for 502/503)."""
@@ -190,9 +262,11 @@ class Router:
         tried: set[str] = set()
         errors: list[str] = []
         attempt = 0
+        admitted = waited = False
         while True:
-            cands = [s for s in insts if s.healthy and s.name not in tried]
-            if not cands or attempt > pool.retries:
+            cands, failing_open = (self.rotation(insts, tried) if attempt <= pool.retries
+                                   else ([], False))
+            if not cands:
                 what = ("any model" if req.model is None or req.model in pool.aliases
                         else f"model `{req.model}`")
                 if not errors:
@@ -215,11 +289,19 @@ class Router:
                 None if success is None else np.array([success[c.model] for c in cands]),
                 keys)
             decision = self.policy.choose(rr, [c.candidate for c in cands], now)
+            if attempt == 0 and not admitted:
+                if await self._admit(decision.forecast, rr.ttft_target, ctl, waited):
+                    admitted = True
+                else:
+                    waited = True
+                    continue  # (it waited for capacity: decide again)
             inst = cands[decision.index]
             tried.add(inst.name)
             attempt += 1
             if attempt > 1:
                 self.metrics.retries.inc()
+            if failing_open:
+                self.metrics.fail_open.labels(inst.name).inc()
             self.metrics.decisions.labels(inst.name, inst.model).inc()
             self.metrics.state_source.labels(inst.name, inst.source(load)).inc()
             body["model"] = inst.instance.served_model
@@ -231,8 +313,10 @@ class Router:
             if attempt == 1:
                 self.metrics.overhead.observe(time.monotonic() - t0)
             try:
-                return await self.relay.attempt(inst, flight, path, json.dumps(body).encode(),
-                                                req, ctl, chat, send, t0, rid, attempt)
+                status = await self.relay.attempt(inst, flight, path, json.dumps(body).encode(),
+                                                  req, ctl, chat, send, t0, rid, attempt)
+                self._tpot_outcome(ctl, flight)
+                return status
             except AttemptFailed as e:
                 inst.health.report_failure(e.kind, str(e))
                 self.metrics.upstream_errors.labels(inst.name, e.kind).inc()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import sys
 import time
 from typing import Any
 
@@ -61,6 +63,9 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         except ServeError as e:
             raise error(str(e)) from None
         _banner(service, started)
+        assert service.gateway is not None
+        if (warning := service.gateway.auth.warning()) is not None:
+            print(f"duetime serve: warning: {warning}", file=sys.stderr, flush=True)
         await stop.wait()
         log.info("shutting down: draining in-flight requests (Ctrl-C again to force)",
                  extra={"fields": {"event": "shutdown"}})
@@ -89,8 +94,52 @@ def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
     return run(_serve(args, error))
 
 
+def _cmd_keys_new(args: argparse.Namespace, error: type[Exception]) -> int:
+    """A new key: the secret on stderr (shown once), its keys-file entry on stdout (so that
+    ``>> keys.yaml`` appends the entry and not the secret)."""
+    from duetime.gateway.auth import key_digest, new_key
+
+    if args.admin and (args.model or args.rpm is not None or args.tpm is not None):
+        raise error("--admin: an admin key has no --model, --rpm or --tpm")
+    key = new_key()
+    entry: dict[str, Any] = {"name": args.name, "sha256": key_digest(key)}
+    if not args.admin:
+        if args.model:
+            entry["models"] = args.model
+        if args.rpm is not None:
+            entry["rpm"] = args.rpm
+        if args.tpm is not None:
+            entry["tpm"] = args.tpm
+    print(f"duetime keys: the {'admin ' if args.admin else ''}key of {args.name!r} (shown "
+          f"once, only its hash is kept):\n{key}", file=sys.stderr, flush=True)
+    fields = ", ".join(f"{k}: {json.dumps(v)}" for k, v in entry.items())
+    print(f"- {{{fields}}}", flush=True)
+    return 0
+
+
+def _add_keys_command(command: Any, error: type[Exception]) -> None:
+    p = command("keys", None, "make API keys for the gateway (auth: in the pool config)",
+                "API keys of the gateway: a keys file lists each key's name, its SHA-256 and "
+                "its limits (see docs/gateway.md, Keys and limits).")
+    keys_sub = p.add_subparsers(dest="keys_command", metavar="SUBCOMMAND", required=True)
+    p = command("new", lambda a: _cmd_keys_new(a, error), "make a key: the secret once, and its keys-file entry",
+                "Make a random key (dt- and 32 random bytes). The key goes to stderr, once; "
+                "the entry to add to the keys file (a YAML list) to stdout, e.g. `duetime keys "
+                "new --name alice --rpm 60 >> keys.yaml`.", into=keys_sub)
+    p.add_argument("--name", required=True, help="the key's name (in logs and metrics)")
+    p.add_argument("--model", action="append", default=None, metavar="NAME",
+                   help="a model or alias the key may call (repeatable; default all)")
+    p.add_argument("--rpm", type=positive_int, default=None, metavar="N",
+                   help="requests per minute (default unlimited)")
+    p.add_argument("--tpm", type=positive_int, default=None, metavar="N",
+                   help="tokens per minute, prompt and output (default unlimited)")
+    p.add_argument("--admin", action="store_true",
+                   help="an admin key (for auth.admin_keys_file: no models or limits)")
+
+
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
-    """Register ``serve`` on the ``duetime`` parser tree."""
+    """Register ``serve`` and ``keys`` on the ``duetime`` parser tree."""
+    _add_keys_command(command, error)
     p = command("serve", lambda a: _cmd_serve(a, error),
                 "run the OpenAI-compatible gateway (a demo pool when no config is given)",
                 "Serve one OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import replace
 
 from duetime.emulator import Emulator, create_app
@@ -18,7 +19,11 @@ log = logging.getLogger("duetime.gateway")
 class Service:
     """``start``: bind the gateway's port, start the pool's emulated instances on loopback
     ephemeral ports, then the gateway. ``stop``: the gateway first (it stops accepting and
-    drains in-flight streams), then the instances it streamed from."""
+    drains in-flight streams), then the instances it streamed from.
+
+    Each embedded emulator gets a random admin token (``admin_tokens``, by instance name): its
+    control routes (``/emulator/faults``, ``/emulator/speed``) answer only to this service,
+    not to whoever reads its URL."""
 
     def __init__(self, pool: Pool, *, host: str = "127.0.0.1", port: int = 0,
                  drain_timeout_s: float | None = None) -> None:
@@ -31,6 +36,7 @@ class Service:
         self.drain_timeout_s = drain_timeout_s
         self.emulators: dict[str, Emulator] = {}
         self.emulator_servers: dict[str, AppServer] = {}
+        self.admin_tokens: dict[str, str] = {}
         self.gateway: Gateway | None = None
         self.server: AppServer | None = None
 
@@ -51,12 +57,15 @@ class Service:
                 # instance's limits (its ``config:`` overrides included)
                 profile = load_profile(inst.profile)  # type: ignore[arg-type]
                 emu = opts.emulator(replace(profile, config=inst.config), inst.served_model)
-                server = await AppServer(create_app(emu), host="127.0.0.1", port=0).start()
+                token = secrets.token_urlsafe(32)
+                server = await AppServer(create_app(emu, admin_token=token), host="127.0.0.1",
+                                         port=0).start()
+                self.admin_tokens[inst.name] = token
                 self.emulators[inst.name] = emu
                 self.emulator_servers[inst.name] = server
                 urls[inst.name] = server.url
             self.pool = self.pool.with_urls(urls)
-            self.gateway = Gateway(self.pool)
+            self.gateway = Gateway(self.pool, host=self.host)
             self.server = AppServer(self.gateway.app(), host=self.host, sock=sock,
                                     graceful_timeout_s=self.drain_timeout_s,
                                     limits=self.pool.limits)

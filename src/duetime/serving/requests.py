@@ -106,9 +106,10 @@ def parse_completion(raw: bytes, *, chat: bool) -> CompletionRequest:
             raise ApiError(400, "prompt is required", param="prompt",
                            code="missing_required_parameter")
         prompt_tokens = _prompt_tokens(body["prompt"])
-    n = _opt_int(body, "n", 1)
-    if n is not None and n != 1:
-        raise ApiError(400, "only n = 1 is supported", param="n", code="invalid_value")
+    for key in ("n", "best_of"):  # one answer per request: the router routes one output
+        v = _opt_int(body, key, 1)
+        if v is not None and v != 1:
+            raise ApiError(400, f"only {key} = 1 is supported", param=key, code="invalid_value")
     max_tokens = _opt_int(body, "max_tokens", 1)
     if chat:
         mct = _opt_int(body, "max_completion_tokens", 1)

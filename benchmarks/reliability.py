@@ -1,0 +1,316 @@
+"""Does the gateway lose anything? Real processes on loopback: three `duetime emulate`
+instances (with injected faults where the scenario says), `duetime serve --config` over them,
+and clients here; per scenario, how many requests succeeded and how many were lost.
+
+    python benchmarks/reliability.py [--quick] [--scenarios open,closed,kill,burst,soak,sigterm]
+        [--requests 1000] [--rate 100] [--clients 16] [--fail-rate 0.2] [--soak-s 30]
+
+Scenarios: ``open`` (Poisson arrivals at --rate, 20% faults: 5xx, timeouts, disconnects, on
+every instance), ``closed`` (--clients clients back to back, the same faults), ``kill`` (no
+faults; one instance killed a third of the way and restarted on its port two seconds later),
+``burst`` (500 streams at once), ``soak`` (--rate for --soak-s seconds; the gateway's memory
+before and after), ``sigterm`` (streams open when the gateway gets SIGTERM: each must finish
+within the drain timeout or end with an error event).
+
+Half the requests stream. Prints one row per scenario: requests, succeeded, lost (retryable
+failures that reached the client: a 5xx, or a stream that ended with an error event), streams
+cut (no ``[DONE]`` and no error event), other failures, the gateway's RSS before and after
+(MB), and the gateway's exit code where the scenario stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+KINDS = "5xx,timeout,disconnect"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (Linux /proc), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def wait_up(url: str, timeout_s: float = 60.0) -> None:
+    t_end = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(timeout=2.0) as c:
+        while time.monotonic() < t_end:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await c.get(url + "/health")).status_code == 200:
+                    return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up within {timeout_s} s")
+
+
+@dataclass
+class Cluster:
+    """Three emulators and a gateway, each its own process."""
+
+    fail_rate: float = 0.0
+    speed: float = 20.0
+    drain_timeout_s: float = 5.0
+    ports: list[int] = field(default_factory=lambda: [free_port() for _ in range(3)])
+    gateway_port: int = field(default_factory=free_port)
+    emulators: list[subprocess.Popen | None] = field(default_factory=list)
+    gateway: subprocess.Popen | None = None
+    tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def _emulator(self, k: int) -> subprocess.Popen:
+        profile = ("qwen3-0.6b", "qwen3-8b", "qwen3-8b")[k]
+        cmd = [sys.executable, "-m", "duetime", "emulate", "--profile", profile,
+               "--port", str(self.ports[k]), "--speed", str(self.speed), "--seed", str(k),
+               "--model-name", profile, "--log-level", "error"]
+        if self.fail_rate > 0:
+            cmd += ["--fail-rate", str(self.fail_rate), "--fail-kinds", KINDS]
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+    async def start(self) -> Cluster:
+        self.tmp = tempfile.TemporaryDirectory()
+        pool = {
+            "policy": "sfs",
+            "instances": [{"name": f"i{k}", "model": ("qwen3-0.6b", "qwen3-8b", "qwen3-8b")[k],
+                           "profile": ("qwen3-0.6b", "qwen3-8b", "qwen3-8b")[k],
+                           "speed": self.speed, "url": f"http://127.0.0.1:{p}"}
+                          for k, p in enumerate(self.ports)],
+            # an injected timeout never answers: retried after 1.5 s without a first token
+            "timeouts": {"connect_s": 1.0, "first_token_s": 1.5, "read_s": 10.0},
+            "health": {"interval_s": 0.25},
+        }
+        cfg = Path(self.tmp.name) / "pool.yaml"
+        cfg.write_text(json.dumps(pool))
+        self.emulators = [self._emulator(k) for k in range(3)]
+        for p in self.ports:
+            await wait_up(f"http://127.0.0.1:{p}")
+        self.gateway = subprocess.Popen(
+            [sys.executable, "-m", "duetime", "serve", "--config", str(cfg), "--port",
+             str(self.gateway_port), "--drain-timeout", str(self.drain_timeout_s),
+             "--log-level", "error"], cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        await wait_up(self.url)
+        return self
+
+    def kill(self, k: int) -> None:
+        p = self.emulators[k]
+        if p is not None:
+            p.kill()
+            p.wait()
+        self.emulators[k] = None
+
+    async def restart(self, k: int) -> None:
+        self.emulators[k] = self._emulator(k)
+        await wait_up(f"http://127.0.0.1:{self.ports[k]}")
+
+    async def stop(self) -> int | None:
+        code = None
+        if self.gateway is not None:
+            if self.gateway.poll() is None:
+                self.gateway.send_signal(signal.SIGTERM)
+            try:
+                code = self.gateway.wait(self.drain_timeout_s + 20)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+                code = self.gateway.wait()
+        for k in range(len(self.emulators)):
+            self.kill(k)
+        if self.tmp is not None:
+            self.tmp.cleanup()
+        return code
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    succeeded: int = 0
+    lost: int = 0          # retryable failures that reached the client
+    cut: int = 0           # streams without [DONE] and without an error event
+    other: int = 0         # anything else (4xx, transport errors)
+    notes: list[str] = field(default_factory=list)
+
+    def row(self, name: str, rss: tuple[float, float], code: int | None) -> str:
+        return (f"| {name} | {self.requests} | {self.succeeded} | {self.lost} | {self.cut} | "
+                f"{self.other} | {rss[0]:.0f} → {rss[1]:.0f} | "
+                f"{'' if code is None else code} |")
+
+
+def body(k: int, max_tokens: int = 16) -> tuple[dict, bool]:
+    stream = k % 2 == 1
+    return ({"model": "auto", "max_tokens": max_tokens, "stream": stream,
+             "messages": [{"role": "user", "content": f"question {k}: " + "word " * (k % 50)}]},
+            stream)
+
+
+async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16) -> None:
+    """One request; its fate counted."""
+    payload, stream = body(k, max_tokens)
+    tally.requests += 1
+    try:
+        if not stream:
+            r = await c.post("/v1/chat/completions", json=payload)
+            if r.status_code == 200 and r.json()["choices"][0]["message"] is not None:
+                tally.succeeded += 1
+            elif r.status_code >= 500 or r.status_code == 429:
+                tally.lost += 1
+                tally.notes.append(f"{r.status_code} {r.text[:120]}")
+            else:
+                tally.other += 1
+                tally.notes.append(f"{r.status_code} {r.text[:120]}")
+            return
+        async with c.stream("POST", "/v1/chat/completions", json=payload) as r:
+            if r.status_code != 200:
+                await r.aread()
+                if r.status_code >= 500 or r.status_code == 429:
+                    tally.lost += 1
+                else:
+                    tally.other += 1
+                tally.notes.append(f"{r.status_code} {r.text[:120]}")
+                return
+            last = ""
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    last = line[6:]
+            if last == "[DONE]":
+                tally.succeeded += 1
+            elif '"error"' in last:
+                tally.lost += 1
+                tally.notes.append(f"stream error event: {last[:120]}")
+            else:
+                tally.cut += 1
+                tally.notes.append(f"stream cut after: {last[:80]}")
+    except httpx.HTTPError as e:
+        tally.other += 1
+        tally.notes.append(f"{type(e).__name__}: {e}")
+
+
+def client(url: str, connections: int = 600) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0),
+                             limits=httpx.Limits(max_connections=connections,
+                                                 max_keepalive_connections=connections))
+
+
+async def open_loop(url: str, n: int, rate: float, tally: Tally, seed: int = 0,
+                    during=None) -> None:
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, n)
+    async with client(url) as c:
+        tasks = []
+        for k in range(n):
+            tasks.append(asyncio.create_task(one(c, k, tally)))
+            if during is not None and k == n // 3:
+                tasks.append(asyncio.create_task(during()))
+            await asyncio.sleep(float(gaps[k]))
+        await asyncio.gather(*tasks)
+
+
+async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None) -> None:
+    counter = iter(range(n))
+    side: list[asyncio.Task] = []
+
+    async def worker(c: httpx.AsyncClient) -> None:
+        for k in counter:
+            if during is not None and k == n // 3:
+                side.append(asyncio.create_task(during()))
+            await one(c, k, tally)
+
+    async with client(url, clients * 2) as c:
+        await asyncio.gather(*(worker(c) for _ in range(clients)))
+    await asyncio.gather(*side)
+
+
+async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
+    faults = args.fail_rate if name in ("open", "closed") else 0.0
+    speed = 2.0 if name == "sigterm" else 20.0
+    cl = await Cluster(fail_rate=faults, speed=speed,
+                       drain_timeout_s=args.drain_timeout).start()
+    tally = Tally()
+    code = None
+    try:
+        pid = cl.gateway.pid
+        before = rss_mb(pid)
+        if name == "open":
+            await open_loop(cl.url, args.requests, args.rate, tally)
+        elif name == "closed":
+            await closed_loop(cl.url, args.requests, args.clients, tally)
+        elif name == "kill":
+            async def kill_and_restart() -> None:
+                cl.kill(1)
+                await asyncio.sleep(2.0)
+                await cl.restart(1)
+            await closed_loop(cl.url, args.requests, args.clients, tally,
+                              during=kill_and_restart)
+        elif name == "burst":
+            async with client(cl.url, 600) as c:
+                await asyncio.gather(*(one(c, 2 * k + 1, tally) for k in range(args.burst)))
+        elif name == "soak":
+            await open_loop(cl.url, int(args.rate * args.soak_s), args.rate, tally)
+        elif name == "sigterm":
+            async with client(cl.url) as c:
+                streams = [asyncio.create_task(one(c, 2 * k + 1, tally, max_tokens=400))
+                           for k in range(args.clients)]
+                await asyncio.sleep(1.0)  # (all of them streaming)
+                cl.gateway.send_signal(signal.SIGTERM)
+                await asyncio.gather(*streams)
+                code = cl.gateway.wait(args.drain_timeout + 20)
+        after = rss_mb(pid) if cl.gateway.poll() is None else float("nan")
+    finally:
+        stopped = await cl.stop()
+        code = code if code is not None else (stopped if name == "sigterm" else None)
+    return tally.row(name, (before, after), code), tally
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenarios", default="open,closed,kill,burst,soak,sigterm")
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--rate", type=float, default=100.0)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--burst", type=int, default=500)
+    ap.add_argument("--fail-rate", type=float, default=0.2)
+    ap.add_argument("--soak-s", type=float, default=30.0)
+    ap.add_argument("--drain-timeout", type=float, default=5.0)
+    ap.add_argument("--quick", action="store_true",
+                    help="200 requests, a burst of 100, a 5 s soak")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.burst, args.soak_s = 200, 100, 5.0
+    print("| scenario | requests | succeeded | lost | streams cut | other | gateway RSS (MB) "
+          "| exit code |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.scenarios.split(","):
+        row, tally = asyncio.run(scenario(name, args))
+        print(row, flush=True)
+        for note in tally.notes[:5]:
+            print(f"    {note}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

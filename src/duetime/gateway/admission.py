@@ -1,0 +1,134 @@
+"""Admission by priority, and the gateway's own load in the forecasts.
+
+A request's priority (``x-duetime-priority``: ``critical``, ``standard`` (the default) or
+``sheddable``) decides what happens when no instance's forecast meets its TTFT target, as
+llm-d's latency-SLO admission does with its criticalities: a ``sheddable`` request is refused
+at once (429 with ``Retry-After``), a ``critical`` one waits in the gateway — a bounded queue,
+fair across clients — until an instance can meet its target or its target is spent, then goes
+to the best forecast; a ``standard`` one goes to the best forecast at once (SFS's own rule).
+
+The gateway's own load (:class:`GatewayLoad`): a burst of 500 short requests over fast
+emulators all went to the one instance whose forecast met the target, and was served hundreds
+of times later than forecast — what dominated was the CPU of handling 500 requests at once in
+the serving process, which no engine forecast counts. So every forecast also counts the
+requests the gateway has sent and not yet seen a first token for, at the process's measured
+CPU seconds per request: under a burst the forecasts grow with it, the best instance stops
+meeting the target, and the requests spread (and are shed or queued by priority).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from duetime.gateway.metrics import GatewayMetrics
+
+PRIORITIES = ("critical", "standard", "sheddable")
+
+
+class GatewayLoad:
+    """What the gateway process itself adds to a request's time to first token: the requests
+    sent upstream and not yet answered with a first token, times the CPU seconds the process
+    spends per request (measured: process CPU time over requests completed, on windows of
+    ``window_s``; an exponential average of the windows)."""
+
+    def __init__(self, window_s: float = 1.0, *, cpu=time.process_time,
+                 clock=time.monotonic) -> None:
+        self.window_s = window_s
+        self.on_capacity: Callable[[], None] | None = None  # (the admission queue's poke)
+        self.awaiting = 0  # sent upstream, no first token yet (all instances)
+        self.cpu_per_request_s = 0.0
+        self._cpu, self._clock = cpu, clock
+        self._completed = 0
+        self._mark = (clock(), cpu(), 0)
+
+    def delay_s(self) -> float:
+        """Seconds the gateway's backlog adds to a request sent now."""
+        return self.cpu_per_request_s * self.awaiting
+
+    def sent(self) -> None:
+        self.awaiting += 1
+
+    def answered(self) -> None:
+        """A first token came back (or the attempt ended without one)."""
+        self.awaiting = max(0, self.awaiting - 1)
+        if self.on_capacity is not None:
+            self.on_capacity()
+
+    def completed(self) -> None:
+        """A request ended: every ``window_s``, the CPU per request of the last window."""
+        self._completed += 1
+        if self.on_capacity is not None:
+            self.on_capacity()
+        t, cpu = self._clock(), self._cpu()
+        t0, cpu0, n0 = self._mark
+        if t - t0 < self.window_s or self._completed == n0:
+            return
+        sample = (cpu - cpu0) / (self._completed - n0)
+        self.cpu_per_request_s = (sample if self.cpu_per_request_s == 0.0
+                                  else 0.7 * self.cpu_per_request_s + 0.3 * sample)
+        self._mark = (t, cpu, self._completed)
+
+
+class AdmissionQueue:
+    """Critical requests waiting for an instance that can meet their target: at most
+    ``max_queued``, released one at a time in turn across clients (each client's own in
+    arrival order) whenever capacity may have freed (:meth:`poke`: a first token, a request's
+    end)."""
+
+    def __init__(self, max_queued: int, metrics: GatewayMetrics) -> None:
+        self.max_queued = max_queued
+        self.metrics = metrics
+        self._by_client: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    async def wait(self, client: str, timeout_s: float) -> bool:
+        """Wait for a turn (True) or until ``timeout_s`` (False); False at once when full."""
+        if self._size >= self.max_queued or timeout_s <= 0 or not math.isfinite(timeout_s):
+            return False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._by_client.setdefault(client, deque()).append(fut)
+        self._size += 1
+        self.metrics.queued.set(self._size)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._drop(client, fut)
+
+    def _drop(self, client: str, fut: asyncio.Future[None]) -> None:
+        q = self._by_client.get(client)
+        if q is not None and fut in q:
+            q.remove(fut)
+            self._size -= 1
+            if not q:
+                del self._by_client[client]
+        self.metrics.queued.set(self._size)
+
+    def poke(self) -> None:
+        """Release the next waiter, the clients in turn (a released one leaves the queue
+        when it resumes)."""
+        for client, q in self._by_client.items():
+            for fut in q:
+                if not fut.done():
+                    fut.set_result(None)
+                    self._by_client.move_to_end(client)  # (the next poke starts elsewhere)
+                    return
+
+
+class Shed(Exception):
+    """A sheddable request refused: no instance can meet its target now."""
+
+    def __init__(self, retry_after_s: float, forecast_s: float, target_s: float) -> None:
+        super().__init__("shed")
+        self.retry_after_s = retry_after_s
+        self.forecast_s = forecast_s
+        self.target_s = target_s

@@ -1,0 +1,155 @@
+"""Admission by priority (x-duetime-priority, llm-d's x-slo-* headers), the admission queue's
+fairness, and the gateway's own load in the forecasts (duetime.gateway.admission)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from duetime.gateway.admission import AdmissionQueue, GatewayLoad
+from duetime.gateway.metrics import GatewayMetrics
+from test_gateway import chat, config, gateway, metric, run
+
+
+def test_the_queue_releases_clients_in_turn_each_in_arrival_order() -> None:
+    async def go() -> list[str]:
+        q = AdmissionQueue(10, GatewayMetrics())
+        order: list[str] = []
+
+        async def waiter(client: str, tag: str) -> None:
+            assert await q.wait(client, 5.0)
+            order.append(tag)
+
+        tasks = [asyncio.create_task(waiter(c, t)) for c, t in
+                 [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1")]]
+        await asyncio.sleep(0)
+        assert len(q) == 5
+        for _ in range(5):
+            q.poke()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert len(q) == 0
+        return order
+
+    assert asyncio.run(go()) == ["a1", "b1", "c1", "a2", "a3"]
+
+
+def test_the_queue_is_bounded_and_a_wait_ends_with_its_timeout() -> None:
+    async def go() -> tuple[bool, bool, int]:
+        q = AdmissionQueue(1, GatewayMetrics())
+        first = asyncio.create_task(q.wait("a", 0.05))
+        await asyncio.sleep(0)
+        full = await q.wait("b", 5.0)  # (at once: the queue holds one)
+        timed_out = await first
+        return full, timed_out, len(q)
+
+    assert asyncio.run(go()) == (False, False, 0)
+
+
+def test_gateway_load_is_cpu_per_request_times_the_backlog() -> None:
+    t, cpu = [0.0], [0.0]
+    load = GatewayLoad(1.0, cpu=lambda: cpu[0], clock=lambda: t[0])
+    for _ in range(4):
+        load.sent()
+    assert load.delay_s() == 0.0  # (nothing measured yet)
+    for _ in range(4):  # 4 requests done in 2 s of wall time, 0.008 s of CPU
+        t[0] += 0.5
+        cpu[0] += 0.002
+        load.answered()
+        load.completed()
+    assert load.cpu_per_request_s == pytest.approx(0.002)
+    for _ in range(10):
+        load.sent()
+    assert load.delay_s() == pytest.approx(0.02)
+    pokes = []
+    load.on_capacity = lambda: pokes.append(1)
+    load.answered()
+    assert pokes and load.awaiting == 9
+
+
+def test_priorities_when_no_instance_can_meet_the_target() -> None:
+    """A target no forecast meets: a sheddable request is refused (429, Retry-After), a
+    standard one goes to the best forecast, a critical one waits (here its target, 1 ms, is
+    spent at once) and then goes to the best forecast; a reachable target is on time."""
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            out = {}
+            for p in ("sheddable", "standard", "critical"):
+                out[p] = await c.post("/v1/chat/completions", json=chat(), headers={
+                    "x-duetime-priority": p, "x-duetime-ttft-ms": "0.001"})
+            out["easy"] = await c.post("/v1/chat/completions", json=chat(), headers={
+                "x-duetime-priority": "sheddable", "x-duetime-ttft-ms": "60000"})
+            out["bad"] = await c.post("/v1/chat/completions", json=chat(), headers={
+                "x-duetime-priority": "urgent"})
+            return out, (await c.get("/metrics")).text
+
+    out, metrics = run(go())
+    shed = out["sheddable"]
+    assert shed.status_code == 429 and int(shed.headers["retry-after"]) >= 1
+    assert shed.json()["error"]["code"] == "overloaded"
+    assert out["standard"].status_code == 200 and out["critical"].status_code == 200
+    assert out["easy"].status_code == 200
+    assert out["bad"].status_code == 400
+    assert out["bad"].json()["error"]["param"] == "x-duetime-priority"
+    for priority, outcome, n in [("sheddable", "shed", 1), ("standard", "late", 1),
+                                 ("critical", "late", 1), ("sheddable", "on_time", 1)]:
+        assert metric(metrics, f'duetime_admission_total{{outcome="{outcome}",'
+                               f'priority="{priority}"}}') == n, (priority, outcome)
+
+
+def test_llm_d_slo_headers_are_targets() -> None:
+    """x-slo-ttft-ms sets the TTFT target when x-duetime-ttft-ms is absent (and loses to it);
+    x-slo-tpot-ms is counted against each request's time per output token."""
+    async def go():
+        async with gateway(config()) as (_svc, c):
+            r1 = await c.post("/v1/chat/completions", json=chat(max_tokens=8),
+                              headers={"x-slo-ttft-ms": "777", "x-slo-tpot-ms": "60000"})
+            r2 = await c.post("/v1/chat/completions", json=chat(),
+                              headers={"x-slo-ttft-ms": "777", "x-duetime-ttft-ms": "555"})
+            r3 = await c.post("/v1/chat/completions", json=chat(),
+                              headers={"x-slo-tpot-ms": "-3"})
+            return r1, r2, r3, (await c.get("/metrics")).text
+
+    r1, r2, r3, metrics = run(go())
+    assert r1.headers["x-duetime-ttft-target-ms"] == "777.0"
+    assert r2.headers["x-duetime-ttft-target-ms"] == "555.0"
+    assert r3.status_code == 400 and r3.json()["error"]["param"] == "x-slo-tpot-ms"
+    assert metric(metrics, 'duetime_tpot_target_total{outcome="on_time"}') == 1
+
+
+def test_a_burst_spreads_over_the_pool_once_the_gateway_counts_its_own_load() -> None:
+    """200 short requests at once over the demo pool, after some traffic from which the
+    gateway measured its CPU per request: the backlog enters every forecast, so the burst
+    does not all go to the one instance whose forecast met the target (it did: 500 of 500
+    before), and every request is answered."""
+    import httpx
+
+    from duetime.service import Service
+    from duetime.service.pool import demo_pool
+
+    async def go():
+        svc = await Service(demo_pool(), drain_timeout_s=3.0).start()
+        try:
+            limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
+            async with httpx.AsyncClient(base_url=svc.url, timeout=120, limits=limits) as c:
+                body = chat(max_tokens=4)
+                for _ in range(3):
+                    await asyncio.gather(*(c.post("/v1/chat/completions", json=body)
+                                           for _ in range(20)))
+                window = svc.gateway.load.window_s
+                await asyncio.sleep(window * 1.2)  # (one more window closes at the next end)
+                await c.post("/v1/chat/completions", json=body)
+                measured = svc.gateway.load.cpu_per_request_s
+                rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=body)
+                                            for _ in range(200)))
+            return measured, rs
+        finally:
+            await svc.stop()
+
+    measured, rs = run(go(), timeout=120)
+    assert measured > 0
+    assert all(r.status_code == 200 for r in rs)
+    served = {r.headers["x-duetime-instance"] for r in rs}
+    assert len(served) >= 2, served
