@@ -53,7 +53,7 @@ from duetime.serving.asgi import (
     send_error,
     send_json,
 )
-from duetime.serving.errors import ApiError
+from duetime.serving.errors import ApiError, exception_handlers
 from duetime.serving.prefix_keys import chat_text, prompt_block_keys
 from duetime.serving.requests import CompletionRequest, parse_completion, parse_json, parse_tokenize
 from duetime.serving.sse import DONE, SSE_HEADERS
@@ -360,6 +360,6 @@ def create_app(emu: Emulator, *, admin_token: str | None = None,
         Route("/emulator/speed", speed, methods=["GET", "POST"]),
         Route("/version", version, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.emulator = emu
     return FastRoutes(app, {"/v1/chat/completions": chat, "/v1/completions": completions})

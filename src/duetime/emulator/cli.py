@@ -46,7 +46,11 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
               f"-d '{{\"prompt\": \"hello\", \"max_tokens\": 8}}'", flush=True)
         await stop.wait()
         log.info("shutting down", extra={"fields": {"event": "shutdown"}})
-        await server.stop()
+        cut = await server.stop()
+    if cut:
+        print(f"duetime emulate: stopped; {cut} request(s) still open at the drain timeout "
+              "were cut (each told so with an error)", flush=True)
+        return 3
     return 0
 
 
@@ -99,6 +103,8 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    "show; none: they are open on a loopback --host and closed on any other)")
     p.add_argument("--drain-timeout", type=positive_float, default=None, metavar="S",
                    help="on Ctrl-C wait at most S seconds for in-flight requests (default: "
-                   "until they finish; a second Ctrl-C forces)")
+                   "until they finish; a second Ctrl-C forces); requests still open then are "
+                   "cut, each stream ending with a data: {\"error\": ...} event, and the "
+                   "exit status is 3")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default info)")

@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from duetime.engine.warmup import warm_up
@@ -30,6 +32,7 @@ from duetime.gateway.health import EjectionBudget
 from duetime.gateway.inflight import FlightStore, MemoryStore
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.openapi import openapi_document
 from duetime.gateway.pollers import Pollers
 from duetime.gateway.relay import Relay
 from duetime.gateway.routing import Router
@@ -37,7 +40,7 @@ from duetime.gateway.upstream import Upstream
 from duetime.policy import make_policy
 from duetime.policy.registry import METRICS, SNAPSHOT
 from duetime.serving.asgi import CompletionEndpoint, Disconnect, FastRoutes, Scope, send_error
-from duetime.serving.errors import ApiError
+from duetime.serving.errors import ApiError, exception_handlers
 from duetime.serving.requests import parse_completion
 
 log = logging.getLogger("duetime.gateway")
@@ -149,13 +152,13 @@ class Gateway:
             status = 499
             self.metrics.cancelled.inc()
             raise
-        except Exception as e:  # a bug: say so in the logs, answer 500 if still possible
+        except Exception:  # a bug: say so in the logs, answer 500 if still possible
             status = 500
             log.exception("internal error", extra={"fields": {"event": "internal_error",
                                                               "route": route}})
             if not guard.started:
-                await send_error(send, ApiError(500, f"internal error in the gateway: "
-                                                f"{type(e).__name__}", code="internal_error"))
+                await send_error(send, ApiError(500, "internal error in the gateway (the "
+                                                "log has it)", code="internal_error"))
         finally:
             grant.settle()
             self.metrics.requests.labels(route, str(status)).inc()
@@ -164,8 +167,8 @@ class Gateway:
 
     def app(self) -> FastRoutes:
         """The ASGI app: the completion routes as raw ASGI endpoints (past Starlette's
-        middleware), the admin routes through Starlette; its lifespan starts and closes the
-        gateway."""
+        middleware), the admin routes and ``/openapi.json`` through Starlette, whose errors
+        (404, 405, 500) are OpenAI JSON too; its lifespan starts and closes the gateway."""
         gw = self
 
         @contextlib.asynccontextmanager
@@ -176,11 +179,22 @@ class Gateway:
             finally:
                 await gw.close()
 
-        chat = CompletionEndpoint(functools.partial(self.serve, chat=True))
-        completions = CompletionEndpoint(functools.partial(self.serve, chat=False))
-        app = Starlette(routes=admin_routes(self), lifespan=lifespan)
+        limits = self.pool.limits
+        chat = CompletionEndpoint(functools.partial(self.serve, chat=True), limits)
+        completions = CompletionEndpoint(functools.partial(self.serve, chat=False), limits)
+        app = Starlette(routes=admin_routes(self), lifespan=lifespan,
+                        exception_handlers=exception_handlers())
         app.state.gateway = self
         fast = {"/v1/chat/completions": chat, "/v1/completions": completions}
         for path, endpoint in fast.items():  # (so that a GET there is a 405, not a 404)
             app.router.routes.append(Route(path, endpoint, methods=["POST"]))
+        document: dict | None = None
+
+        async def openapi(request: Request) -> JSONResponse:
+            nonlocal document  # (built once, from the routes the app has)
+            if document is None:
+                document = openapi_document(app.router.routes)
+            return JSONResponse(document)
+
+        app.router.routes.append(Route("/openapi.json", openapi, methods=["GET"]))
         return FastRoutes(app, fast)

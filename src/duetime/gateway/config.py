@@ -18,6 +18,7 @@ from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
 from duetime.gateway.auth import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
+from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec
 
 ALIAS_DEFAULT = "auto"
 
@@ -197,6 +198,7 @@ class PoolSpec(_Strict):
     health: HealthSpec = HealthSpec()
     admission: AdmissionSpec = AdmissionSpec()
     auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.auth)
+    limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.serving.limits)
 
 
 
@@ -265,6 +267,7 @@ class Pool:
     tokenizer: str | None = None  # a tokenizer folder or tokenizer.json, if any
     chat_template: str | None = None  # a chat template file overriding the folder's, if any
     auth: AuthConfig | None = None  # API keys and admin keys, if configured
+    limits: LimitsSpec = DEFAULT_LIMITS  # protocol limits of the gateway's server
 
     @property
     def models(self) -> list[str]:
@@ -434,7 +437,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
-                chat_template=chat_template, auth=auth)
+                chat_template=chat_template, auth=auth, limits=spec.limits)
 
 
 def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:

@@ -272,8 +272,9 @@ class Router:
                 if not errors:
                     raise ApiError(503, f"no healthy instance serves {what}",
                                    code="no_healthy_instance")
-                raise ApiError(502, f"upstream failed after {len(errors)} attempt(s): "
-                               + "; ".join(errors), code="upstream_failed")
+                raise ApiError(502, f"upstream failed after {len(errors)} attempt(s) (request "
+                               f"{rid}: the gateway's log has each attempt's error)",
+                               code="upstream_failed")
             now = time.monotonic()
             if fresh:
                 for s in cands:

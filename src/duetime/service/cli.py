@@ -15,6 +15,8 @@ from duetime.policy import policy_names
 
 log = logging.getLogger("duetime.gateway")
 
+DRAIN_CUT_EXIT = 3  # the exit status when the drain timeout cut requests still open
+
 
 def _banner(service: Any, started: float) -> None:
     url = service.url
@@ -67,7 +69,13 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         await stop.wait()
         log.info("shutting down: draining in-flight requests (Ctrl-C again to force)",
                  extra={"fields": {"event": "shutdown"}})
-        await service.stop()
+        cut = await service.stop()
+    if cut:
+        log.error("drain timeout: requests cut", extra={"fields": {
+            "event": "drain_timeout", "cut": cut, "drain_timeout_s": args.drain_timeout}})
+        print(f"duetime serve: stopped; {cut} request(s) still open at the drain timeout were "
+              "cut (each told so with an error)", flush=True)
+        return DRAIN_CUT_EXIT
     print("duetime serve: stopped", flush=True)
     return 0
 
@@ -156,8 +164,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                    help="N emulated instances of each model of the demo pool (default 1)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
-                   help="on Ctrl-C wait at most S seconds for in-flight streams (default 30; a "
-                   "second Ctrl-C forces)")
+                   help="on Ctrl-C / SIGTERM wait at most S seconds for in-flight requests "
+                   "(default 30; a second Ctrl-C forces); requests still open then are cut, "
+                   "each stream ending with a data: {\"error\": ...} event, and the exit "
+                   f"status is {DRAIN_CUT_EXIT}")
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"], help="log level (default info)")
 

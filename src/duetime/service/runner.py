@@ -67,7 +67,8 @@ class Service:
             self.pool = self.pool.with_urls(urls)
             self.gateway = Gateway(self.pool, host=self.host)
             self.server = AppServer(self.gateway.app(), host=self.host, sock=sock,
-                                    graceful_timeout_s=self.drain_timeout_s)
+                                    graceful_timeout_s=self.drain_timeout_s,
+                                    limits=self.pool.limits)
             await self.server.start()
         except BaseException:
             sock.close()
@@ -75,13 +76,16 @@ class Service:
             raise
         return self
 
-    async def stop(self, *, force: bool = False) -> None:
+    async def stop(self, *, force: bool = False) -> int:
+        """Returns how many requests were cut at the drain timeout (told so with an error)."""
+        cut = 0
         if self.server is not None:
-            await self.server.stop(force=force)
+            cut = await self.server.stop(force=force)
             self.server = None
         if self.gateway is not None:
             await self.gateway.close()  # (a forced stop skips the app's shutdown)
         await self._stop_emulators(force=force)
+        return cut
 
     def force(self) -> None:
         if self.server is not None:

@@ -10,11 +10,16 @@ request's own task and is cancelled when its client disconnects (:class:`Disconn
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from duetime.serving.errors import ApiError
+from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec, json_depth_limit
+
+log = logging.getLogger("duetime.serving")
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -66,28 +71,50 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+SHUTDOWN = ApiError(503, "the server shut down before the response was complete (its drain "
+                    "timeout is past)", code="server_shutdown")
+
+
 class Disconnect:
     """Runs an ASGI handler in the current task and cancels it if the client disconnects.
 
     ``send`` (the wrapper) records when the response is complete, so that the
     ``http.disconnect`` a server reports after a finished response is not mistaken for the
     client going away. ``gone`` says whether the handler was cancelled for that reason.
+
+    A handler cancelled otherwise was cut by its server (shutting down, past its drain
+    timeout: :meth:`~duetime.serving.server.AppServer.stop`): the client is told rather than
+    left with a stream that just ends -- a final ``data: {"error": ...}`` event on an SSE
+    stream, a JSON 503 if nothing was answered yet.
     """
 
-    __slots__ = ("_send", "complete", "gone", "started")
+    __slots__ = ("_send", "complete", "gone", "sse", "started")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.complete = False
         self.started = False
+        self.sse = False
         self.gone = False
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            self.sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                           for k, v in message.get("headers", ()))
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.complete = True
         await self._send(message)
+
+    async def _cut(self) -> None:
+        """End the response with an error (the server cut the request), within a second."""
+        with contextlib.suppress(Exception, TimeoutError):
+            async with asyncio.timeout(1.0):
+                if not self.started:
+                    await send_error(self._send, SHUTDOWN, [(b"connection", b"close")])
+                elif self.sse:
+                    await self._send({"type": "http.response.body", "more_body": False,
+                                      "body": b"data: " + SHUTDOWN.encode() + b"\n\n"})
 
     async def run(self, receive: Receive, handler: Awaitable[None]) -> None:
         task = asyncio.current_task()
@@ -107,7 +134,10 @@ class Disconnect:
             await handler
         except asyncio.CancelledError:
             if not self.gone:
-                raise
+                if self.complete:
+                    raise
+                await self._cut()  # (a non-SSE response under way is closed by the server)
+                self.complete = True
             task.uncancel()
         finally:
             self.complete = True
@@ -120,22 +150,33 @@ Handler = Callable[[Scope, bytes, "Disconnect", float], Awaitable[None]]
 class CompletionEndpoint:
     """A completion route as a raw ASGI app: read the body (413 past ``MAX_BODY``), then run
     ``handler(scope, body, guard, t0)`` under a :class:`Disconnect` guard, so that a client
-    that goes away cancels it. ``guard.send`` is the response channel; ``t0`` the arrival."""
+    that goes away cancels it. ``guard.send`` is the response channel; ``t0`` the arrival.
+    ``limits``: the server's (the JSON depth limit applies to this request's parsing); an
+    exception the handler lets out is logged and answered as a JSON 500 naming nothing of it."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, limits: LimitsSpec = DEFAULT_LIMITS) -> None:
         self.handler = handler
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.monotonic()
         try:
             raw = await read_body(receive)
         except ApiError as e:
-            await send_error(send, e)
+            await send_error(send, e, [(b"connection", b"close")])  # (the body is unread)
             return
         if raw is None:
             return
+        json_depth_limit.set(self.limits.max_json_depth)  # (this request's task only)
         guard = Disconnect(send)
-        await guard.run(receive, self.handler(scope, raw, guard, t0))
+        try:
+            await guard.run(receive, self.handler(scope, raw, guard, t0))
+        except Exception:
+            if guard.started:  # (the server logs it and drops the connection)
+                raise
+            log.exception("internal error", extra={"fields": {
+                "event": "internal_error", "route": scope.get("path")}})
+            await send_error(send, ApiError(500, "internal server error", code="internal_error"))
 
 
 class FastRoutes:

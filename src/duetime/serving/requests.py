@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from duetime.serving.errors import ApiError
+from duetime.serving.limits import check_json_depth, json_depth_limit, too_deep
 from duetime.serving.tokens import chat_tokens, content_text, text_tokens
 
 
@@ -29,10 +30,15 @@ class CompletionRequest:
 
 
 def parse_json(raw: bytes) -> Any:
+    """The body's JSON; a 400 if it is not JSON or nests deeper than the server's limit."""
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
+    except RecursionError:
+        raise too_deep(json_depth_limit.get()) from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    check_json_depth(value, raw)
+    return value
 
 
 def _opt_int(body: dict[str, Any], key: str, lo: int) -> int | None:

@@ -5,7 +5,14 @@ and the benchmarks).
 uvicorn's own signal handling is for one server per process; here the caller owns the signals
 (:func:`shutdown_signals`) and stops servers in order (the gateway drains its streams before the
 instances it streams from go away). Sockets are bound here, so a port in use is a clear error
-rather than uvicorn's ``sys.exit``.
+rather than uvicorn's ``sys.exit``. Every server runs uvicorn's httptools protocol with the
+protocol limits of :mod:`duetime.serving.protocol`.
+
+The drain timeout is kept here rather than by uvicorn (``timeout_graceful_shutdown``), which
+cancels the requests still open with nothing said to their clients and leaves no trace of it:
+:meth:`AppServer.stop` cancels them itself, their endpoints
+(:class:`~duetime.serving.asgi.Disconnect`) end each one with an error (a final SSE error event
+on a stream), and it returns how many were cut, so that a command can exit non-zero.
 """
 
 from __future__ import annotations
@@ -19,7 +26,12 @@ from typing import Any, TypeVar
 
 import uvicorn
 
+from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec
+from duetime.serving.protocol import protocol_class
+
 T = TypeVar("T")
+
+CUT_GRACE_S = 2.0  # after the drain timeout: time for cut requests to tell their clients
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
@@ -66,14 +78,16 @@ class AppServer:
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
                  graceful_timeout_s: float | None = None, sock: socket.socket | None = None,
-                 **uvicorn_kw: Any) -> None:
-        """``sock``: an already bound socket (see :func:`bind`) instead of host and port."""
+                 limits: LimitsSpec = DEFAULT_LIMITS, **uvicorn_kw: Any) -> None:
+        """``sock``: an already bound socket (see :func:`bind`) instead of host and port;
+        ``graceful_timeout_s``: the drain timeout of :meth:`stop` (None: no limit)."""
         self.host = host
         self.sock = sock if sock is not None else bind(host, port)
         self.port = int(self.sock.getsockname()[1])
+        self.graceful_timeout_s = graceful_timeout_s
+        self.limits = limits
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                     timeout_graceful_shutdown=graceful_timeout_s,
-                                     **uvicorn_kw)
+                                     http=protocol_class(limits), **uvicorn_kw)
         self.server = _Server(self.config)
         self._task: asyncio.Task[None] | None = None
 
@@ -94,17 +108,40 @@ class AppServer:
             await asyncio.sleep(0.002)
         return self
 
-    async def stop(self, *, force: bool = False) -> None:
-        """Stop accepting, let in-flight responses finish (unless ``force``), shut down."""
+    async def stop(self, *, force: bool = False) -> int:
+        """Stop accepting, let in-flight responses finish (unless ``force``) for at most the
+        drain timeout, shut down. Returns how many requests were cut at the drain timeout
+        (each told so: see :class:`~duetime.serving.asgi.Disconnect`)."""
         if self._task is None:
-            return
+            return 0
+        task = self._task
         self.server.should_exit = True
         if force:
             self.server.force_exit = True
+        cut = 0
+        try:
+            await asyncio.wait_for(asyncio.shield(task), self.graceful_timeout_s)
+        except TimeoutError:
+            cut = self._cut()
+            try:
+                await asyncio.wait_for(asyncio.shield(task), CUT_GRACE_S)
+            except TimeoutError:  # a client that reads nothing: stop waiting for it
+                self.server.force_exit = True
+        except asyncio.CancelledError:
+            if not task.done():
+                raise
         with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+            await task
         self._task = None
         await self._finish_lifespan()
+        return cut
+
+    def _cut(self) -> int:
+        """Cancel the requests still running (the drain timeout is past)."""
+        tasks = [t for t in self.server.server_state.tasks if not t.done()]
+        for t in tasks:
+            t.cancel(msg="the server's drain timeout is past")
+        return len(tasks)
 
     async def _finish_lifespan(self) -> None:
         """A forced exit skips the app's shutdown; run it (the app's resources close, and

@@ -27,9 +27,11 @@ def payload(ev: bytes) -> bytes | None:
 
 
 def error_event(message: bytes) -> bytes:
-    """A final ``data: {"error": ...}`` event: an upstream's JSON error as it is, or a text
-    wrapped as a 502 ``upstream_broken`` error."""
+    """A final ``data: {"error": ...}`` event: an upstream's JSON error as it is, or, for the
+    gateway's own description of what broke (which may carry a library's error text, for the
+    log only), a 502 ``upstream_broken`` error that names nothing of it."""
     if message.startswith(b"{"):
         return b"data: " + message + b"\n\n"
-    err = ApiError(502, message.decode(errors="replace"), code="upstream_broken")
+    err = ApiError(502, "the instance's stream ended before it was complete",
+                   code="upstream_broken")
     return b"data: " + err.encode() + b"\n\n"
