@@ -193,7 +193,7 @@ class Gateway:
         async def openapi(request: Request) -> JSONResponse:
             nonlocal document  # (built once, from the routes the app has)
             if document is None:
-                document = openapi_document(app.router.routes)
+                document = openapi_document(app.router.routes, list(gw.pool.quality))
             return JSONResponse(document)
 
         app.router.routes.append(Route("/openapi.json", openapi, methods=["GET"]))

@@ -77,28 +77,34 @@ SCHEMAS: dict[str, Any] = {
         "instances": {"type": "array", "items": {"type": "string"}}}},
 }
 
-_HEADERS = [
-    {"name": "x-duetime-ttft-ms", "in": "header", "required": False,
-     "description": "the request's TTFT target in ms, in (0, 3600000]",
-     "schema": {"type": "string"}},
-    {"name": "x-slo-ttft-ms", "in": "header", "required": False,
-     "description": "llm-d's TTFT target in ms (when x-duetime-ttft-ms is absent)",
-     "schema": {"type": "string"}},
-    {"name": "x-slo-tpot-ms", "in": "header", "required": False,
-     "description": "llm-d's time-per-output-token target in ms (counted)",
-     "schema": {"type": "string"}},
-    {"name": "x-duetime-priority", "in": "header", "required": False,
-     "description": "critical, standard (the default) or sheddable",
-     "schema": {"type": "string"}},
-    {"name": "x-duetime-attempted", "in": "header", "required": False,
-     "description": "comma-separated models the client already tried",
-     "schema": {"type": "string"}},
-    {"name": "x-duetime-task", "in": "header", "required": False,
-     "description": "the request's task (a task of the quality table)",
-     "schema": {"type": "string"}},
-    {"name": "x-session-id", "in": "header", "required": False,
-     "schema": {"type": "string"}},
-]
+_MS = {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 3600000}
+
+
+def _headers(tasks: list[str]) -> list[dict[str, Any]]:
+    """The completion routes' control headers (``tasks``: the pool's, what
+    ``x-duetime-task`` may name)."""
+    task = {"type": "string", "enum": tasks} if tasks else {"type": "string"}
+    return [
+        {"name": "x-duetime-ttft-ms", "in": "header", "required": False,
+         "description": "the request's TTFT target in ms, in (0, 3600000]", "schema": _MS},
+        {"name": "x-slo-ttft-ms", "in": "header", "required": False,
+         "description": "llm-d's TTFT target in ms (when x-duetime-ttft-ms is absent)",
+         "schema": _MS},
+        {"name": "x-slo-tpot-ms", "in": "header", "required": False,
+         "description": "llm-d's time-per-output-token target in ms (counted)", "schema": _MS},
+        {"name": "x-duetime-priority", "in": "header", "required": False,
+         "description": "what happens when no instance can meet the target",
+         "schema": {"type": "string", "enum": ["critical", "standard", "sheddable"]}},
+        {"name": "x-duetime-attempted", "in": "header", "required": False,
+         "description": "comma-separated models the client already tried (at most 100)",
+         "schema": {"type": "string", "pattern": r"^[A-Za-z0-9._:/-]+(,[A-Za-z0-9._:/-]+)*$"}},
+        {"name": "x-duetime-task", "in": "header", "required": False,
+         "description": "the request's task (a task of the quality table)", "schema": task},
+        {"name": "x-session-id", "in": "header", "required": False,
+         "schema": {"type": "string"}},
+    ]
+
+
 _COMPLETION_ERRORS = {
     "400": _error("invalid request (JSON, fields, headers), or a prompt no instance can hold"),
     "401": _error("no API key, or an unknown one (when the pool has keys)"),
@@ -117,7 +123,7 @@ _COMPLETION_ERRORS = {
 
 def _completion(summary: str, request: str) -> dict[str, Any]:
     return {"post": {
-        "summary": summary, "parameters": _HEADERS,
+        "summary": summary, "parameters": [],  # (the headers: openapi_document)
         "requestBody": {"required": True, "content": {_JSON: {
             "schema": {"$ref": f"#/components/schemas/{request}"}}}},
         "responses": {"200": {"description": "the completion: one JSON body, or server-sent "
@@ -166,11 +172,13 @@ PATHS: dict[str, dict[str, Any]] = {
         "200": _ok("an OpenAPI 3.0 document", {"type": "object"})}),
 }
 
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")  # a Starlette path parameter, {name:convertor}
 
 
-def openapi_document(routes: list[Any]) -> dict[str, Any]:
-    """The OpenAPI document of the routes (Starlette routes: ``path`` and ``methods``)."""
+def openapi_document(routes: list[Any], tasks: list[str] | None = None) -> dict[str, Any]:
+    """The OpenAPI document of the routes (Starlette routes: ``path`` and ``methods``);
+    ``tasks``: the pool's tasks (what ``x-duetime-task`` may name)."""
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         path = getattr(route, "path", None)
@@ -184,6 +192,8 @@ def openapi_document(routes: list[Any]) -> dict[str, Any]:
         for m in methods:
             op = (described or {}).get(m) or {"summary": path, "responses": {
                 "200": {"description": "OK"}, "default": _error("an error")}}
+            if path in COMPLETION_PATHS:
+                op = {**op, "parameters": _headers(list(tasks or []))}
             names = _PARAM.findall(path)
             if names:
                 op = {**op, "parameters": [*op.get("parameters", []), *[
