@@ -218,3 +218,34 @@ def test_the_engine_tells_how_much_of_a_prefix_it_holds() -> None:
     assert eng.cached_prefix([99, 12]) == 0  # the first miss ends it
     plain = Engine(SchedulerConfig(), PAPER4)
     assert plain.cached_prefix([11]) == 0 and plain.cached_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_observing_fewer_tokens_than_the_engine_ran_ahead_keeps_the_pool_whole(
+        async_scheduling: bool) -> None:
+    """A gateway's shadow replica runs a request ahead of the real one (it cannot know when it
+    stops) and then learns it made fewer tokens: the blocks it took for the tokens it never
+    made go back to the pool. They were counted free without being queued (found by the
+    reliability suite's soak: 'a block missing from its key's chain' a while later)."""
+    from dataclasses import replace
+
+    from duetime.engine.profiles import load_profile
+
+    spec = load_profile("qwen3-8b")
+    cfg = replace(spec.config, enable_prefix_caching=True, max_model_len=4096,
+                  num_gpu_blocks=400, async_scheduling=async_scheduling)
+    eng = Engine(cfg, spec.batch_time, retain_finished=False)
+    keys = [11, 12]
+    eng.add("a", 37, 4000, hashes=keys)
+    eng.add("b", 37, 4000, hashes=keys)  # (shares a's two cached blocks)
+    eng.run_until(0.5)
+    ran = eng.request("a")["output_tokens"]
+    assert ran > 40  # (several blocks past its prompt)
+    assert eng.observe("a", 5)
+    eng.check_invariants()
+    assert eng.request("a")["blocks"] == 3  # (37 + 5 - 1 tokens computed)
+    eng.run_until(1.0)
+    eng.abort("a")
+    eng.abort("b")
+    eng.check_invariants()
+    assert eng.free_blocks == cfg.usable_blocks

@@ -270,3 +270,4 @@ def test_step_noise_is_the_same_compiled_or_not() -> None:
     compiled = [step_normal(np.int64(s), np.int64(k)) for s in (0, 11, 2**61 + 5)
                 for k in (0, 1, 977)]
     assert eval(out.stdout, {"np": np}) == compiled
+

@@ -39,6 +39,7 @@ from duetime.engine.pool_kernel import (
     new_pool,
     new_undo,
     pool_allocate,
+    pool_release,
     queue_of,
     reclaim,
     store_free,
@@ -337,6 +338,8 @@ class Engine:
         if prompt_tokens + output_tokens >= self.config.max_model_len:
             raise ValueError(f"request {request_id!r}: {prompt_tokens + output_tokens} tokens "
                              f"reach max_model_len {self.config.max_model_len}")
+        if self.caching:  # (its slices go where a forecast's lease may still lie)
+            self._reclaim()
         r = len(self._ids)
         if r >= self._req.shape[0]:
             if not self.retain_finished and r >= COMPACT_AT and (
@@ -430,6 +433,8 @@ class Engine:
         """Forget finished requests (their rows are otherwise kept forever). Scheduler state,
         order and every live request's state are unchanged; live requests keep the order they
         were added in (:meth:`history`)."""
+        if self.caching:
+            self._reclaim()
         nrun = int(self._st[kn.NRUN])
         run_rows, wait_rows = self._run[:nrun].copy(), self._waiting_rows()
         live = np.sort(np.concatenate((run_rows, wait_rows)))
@@ -612,12 +617,21 @@ class Engine:
             req[r, kn.STOP] = output_tokens + 1
         if self.caching:  # its new blocks come from the pool; its full ones are registered
             self._reclaim()
-            if int(req[r, HELD]) + need > int(req[r, kn.BCAP]):
-                self._place(r, None)
-            pool_allocate(self._pool, self._kmap, self._rb, int(req[r, kn.BOFF] + req[r, HELD]),
-                          need, None)
-            req[r, HELD] += need
-            self._st[kn.FREE] -= need
+            held = int(req[r, HELD])
+            if need < 0:  # the engine ran ahead of what it really made: the extra blocks go
+                # back (last first, as vLLM frees them), and it no longer counts them cached
+                back = pool_release(self._pool, self._rb, int(req[r, kn.BOFF]) + held + need,
+                                    -need, None)
+                req[r, HELD] = held + need
+                req[r, kn.NCACHED] = min(int(req[r, kn.NCACHED]), held + need)
+                self._st[kn.FREE] += back
+            else:
+                if held + need > int(req[r, kn.BCAP]):
+                    self._place(r, None)
+                pool_allocate(self._pool, self._kmap, self._rb, int(req[r, kn.BOFF] + held),
+                              need, None)
+                req[r, HELD] += need
+                self._st[kn.FREE] -= need
             kn.register_blocks(req, r, self._pool, self._kmap, self._rb, self._rk, computed,
                                self.config.block_size, None)
         else:
