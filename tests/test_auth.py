@@ -8,7 +8,6 @@ emulators) on loopback, as tests/test_gateway.py does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import logging
@@ -17,7 +16,6 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +28,10 @@ from duetime.cli import main
 from duetime.gateway import ConfigError, Flight, Gateway, MemoryStore, pool_from_dict
 from duetime.gateway.auth import Auth, AuthConfig, RateLimited, key_digest, new_key
 from duetime.gateway.ratelimit import Draw, Limiter, MemoryLimitStore
-from duetime.service import Service
 from duetime.serving.access import bearer, is_loopback
 from duetime.serving.asgi import Scope
 from duetime.serving.errors import ApiError
+from test_gateway import gateway
 
 PRICE = {"prompt": 0.1, "output": 0.3}
 QUALITY = {"workload": None, "tasks": {"chat": {"big": 0.9, "small": 0.5}}}
@@ -86,14 +84,6 @@ def auth_header(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-@contextlib.asynccontextmanager
-async def gateway(cfg: dict[str, Any]) -> AsyncIterator[tuple[Service, httpx.AsyncClient]]:
-    svc = await Service(pool_from_dict(cfg, "test"), drain_timeout_s=3.0).start()
-    try:
-        async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
-            yield svc, c
-    finally:
-        await svc.stop()
 
 
 def scope(key: str | None = None) -> Scope:

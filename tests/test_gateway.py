@@ -564,21 +564,30 @@ def test_models_health_metrics_endpoints():
 
 # -- the command --------------------------------------------------------------------------------
 
-def test_duetime_serve_demo_starts_answers_and_stops_on_ctrl_c():
+def start_serve(args: list[str], timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """``duetime serve --port 0 ARGS`` in a subprocess, and the URL its banner gives."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "duetime", "serve", "--port", "0",
-                             "--log-level", "warning"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "duetime", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    url = None
+    t_end = time.monotonic() + timeout_s
+    while url is None and time.monotonic() < t_end:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if "listening on " in line:
+            url = line.split("listening on ", 1)[1].split()[0]
+    if url is None:
+        why = proc.stderr.read() if proc.poll() is not None else "no banner"
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(why)
+    return proc, url
+
+
+def test_duetime_serve_demo_starts_answers_and_stops_on_ctrl_c():
+    proc, url = start_serve(["--log-level", "warning"])
     try:
-        url = None
-        t_end = time.monotonic() + 60
-        while url is None and time.monotonic() < t_end:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if "listening on " in line:
-                url = line.split("listening on ", 1)[1].split()[0]
-        assert url, proc.stderr.read() if proc.poll() is not None else "no banner"
         r = httpx.post(f"{url}/v1/chat/completions", json=chat(), timeout=20)
         assert r.status_code == 200 and r.headers["x-duetime-model"].startswith("qwen3-")
         proc.send_signal(signal.SIGINT)

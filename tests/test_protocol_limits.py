@@ -11,8 +11,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +28,7 @@ from duetime.serving.errors import MAX_MESSAGE, TRUNCATED, exception_handlers
 from duetime.serving.limits import LimitsSpec
 from duetime.serving.logs import JsonFormatter
 from duetime.serving.server import AppServer
+from test_gateway import gateway, start_serve
 
 PRICE = {"prompt": 0.1, "output": 0.3}
 SLACK_S = 10.0  # how much longer than a configured timeout a test waits before it fails
@@ -54,14 +53,6 @@ def config(limits: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
     return d
 
 
-@contextlib.asynccontextmanager
-async def gateway(cfg: dict[str, Any]) -> AsyncIterator[tuple[Service, httpx.AsyncClient]]:
-    svc = await Service(pool_from_dict(cfg, "test"), drain_timeout_s=3.0).start()
-    try:
-        async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
-            yield svc, c
-    finally:
-        await svc.stop()
 
 
 @contextlib.asynccontextmanager
@@ -490,21 +481,9 @@ def test_drain_timeout_ends_open_streams_with_an_error_event_and_exits_non_zero(
     pool.write_text(json.dumps(config(instances=[{
         "name": "a", "model": "big", "profile": "qwen3-0.6b", "emulate": {"speed": 0.02},
         "price_usd_per_mtok": PRICE}])))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "duetime", "serve", "--port", "0",
-                             "--config", str(pool), "--drain-timeout", str(drain),
-                             "--log-level", "warning"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc, url = start_serve(["--config", str(pool), "--drain-timeout", str(drain),
+                             "--log-level", "warning"], timeout_s=120)
     try:
-        url = None
-        t_end = time.monotonic() + 120
-        while url is None and time.monotonic() < t_end:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if "listening on " in line:
-                url = line.split("listening on ", 1)[1].split()[0]
-        assert url, proc.stderr.read() if proc.poll() is not None else "no banner"
         events: list[bytes] = []
         with httpx.Client(timeout=drain + 30) as c, c.stream(
                 "POST", f"{url}/v1/chat/completions",
