@@ -208,9 +208,9 @@ class Router:
             m.labels(ctl.priority, "shed").inc()
             raise Shed(forecast - target_s, forecast, target_s)
         if ctl.priority == "critical" and not waited and self.queue is not None:
-            if await self.queue.wait(ctl.client, target_s):
-                return False
-            return False  # (its target is spent, or the queue is full: decide once more)
+            # released, or its target spent, or the queue full: decide once more either way
+            await self.queue.wait(ctl.client, target_s)
+            return False
         m.labels(ctl.priority, "late").inc()
         return True
 
