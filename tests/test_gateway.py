@@ -167,9 +167,18 @@ def test_sfs_avoids_an_instance_busy_with_other_traffic_published_snapshot():
 
 
 def test_sfs_avoids_an_instance_busy_with_its_own_traffic_shadow_state():
-    """With state.source shadow, the replica of a holds the long prompts the gateway sent."""
+    """With state.source shadow, the replica of a holds the long prompts the gateway sent.
+
+    The premise is that a is still busy when the chat is decided: eight 30,000-token prompts
+    at the profile's own speed keep a for about 1.3 s, the target is 100 ms, and the test
+    checks that the long streams were still open when the chat's answer came back (a machine
+    too slow for that fails with that message, not with a wrong routing claim).
+    """
+    n_long = 8
+
     async def go():
-        async with gateway(config(state={"source": "shadow"})) as (svc, c):
+        cfg = config(state={"source": "shadow"}, a={"emulate": {"speed": 1.0}})
+        async with gateway(cfg) as (svc, c):
             long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2, "stream": True}
 
             async def send_long() -> None:
@@ -177,22 +186,24 @@ def test_sfs_avoids_an_instance_busy_with_its_own_traffic_shadow_state():
                     async for _ in resp.aiter_bytes():
                         pass
 
-            tasks = [asyncio.create_task(send_long()) for _ in range(4)]
+            tasks = [asyncio.create_task(send_long()) for _ in range(n_long)]
             gw_a = svc.gateway.instances[0]
-            assert await wait_for(lambda: len(gw_a.flights) == 4)
+            assert await wait_for(lambda: len(gw_a.flights) == n_long)
             gw_a.refresh(time.monotonic())
             snap = gw_a.snapshot()
             assert gw_a.source() == "shadow"
-            assert len(snap.running_table) + len(snap.waiting_table) == 4
+            assert len(snap.running_table) + len(snap.waiting_table) == n_long
             r = await c.post("/v1/chat/completions", json=chat(),
-                             headers={"x-duetime-ttft-ms": "400"})
+                             headers={"x-duetime-ttft-ms": "100"})
+            still_busy = not any(t.done() for t in tasks)
             for t in tasks:  # (their clients go away: the gateway cancels them upstream)
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             assert await wait_for(lambda: not gw_a.flights and svc.emulators["a"].engine.idle)
-            return r
+            return r, still_busy
 
-    r = run(go())
+    r, still_busy = run(go())
+    assert still_busy, "premise: a's long prompts should outlast the chat's routing"
     assert r.status_code == 200 and r.headers["x-duetime-instance"] == "b"
 
 
