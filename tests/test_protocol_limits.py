@@ -194,6 +194,31 @@ def test_slow_and_silent_clients_are_closed_within_the_header_timeout():
     assert left == 0
 
 
+def test_idle_keep_alive_connections_are_held_longer_than_clients_hold_theirs():
+    """The server closes an idle keep-alive connection after ``keep_alive_s`` (75 s by
+    default: longer than httpx's and so the OpenAI SDK's 5 s, so the client closes first; at
+    equal timeouts a burst through the gateway saw bare connection resets), and not before."""
+    assert LimitsSpec().keep_alive_s > httpx.Limits().keepalive_expiry
+    keep = 0.5
+
+    async def go() -> tuple[float, float, int]:
+        async with plain_server(LimitsSpec(keep_alive_s=keep)) as server:
+            assert server.config.timeout_keep_alive == keep
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: t\r\ncontent-length: 2\r\n\r\nab")
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+            await reader.readexactly(length)
+            t0 = time.monotonic()
+            rest = await read_until_closed(reader, keep + SLACK_S)
+            writer.close()
+            return time.monotonic() - t0, len(rest), len(server.server.server_state.connections)
+
+    held, rest, left = run(go())
+    assert keep * 0.9 <= held <= keep + SLACK_S and rest == 0 and left == 0
+
+
 def test_a_stalled_body_is_408_and_closed_within_the_body_timeout():
     timeout = 0.5
 

@@ -38,6 +38,11 @@ class LimitsSpec(BaseModel):
     # open client connections: a request on a connection beyond it gets a 503 and the
     # connection closes (file descriptors and per-connection memory stay bounded)
     max_connections: int = Field(4096, ge=1)
+    # how long an idle keep-alive connection is held: longer than clients hold theirs (httpx
+    # and so the OpenAI SDK: 5 s, uvicorn's own default too), so that the client closes
+    # first; at equal timeouts a client reusing a connection as the server closes it saw a
+    # bare connection reset (2 of a burst of 500 through the demo pool)
+    keep_alive_s: float = Field(75.0, gt=0)
 
 
 DEFAULT_LIMITS = LimitsSpec()

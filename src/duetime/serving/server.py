@@ -86,6 +86,7 @@ class AppServer:
         self.port = int(self.sock.getsockname()[1])
         self.graceful_timeout_s = graceful_timeout_s
         self.limits = limits
+        uvicorn_kw.setdefault("timeout_keep_alive", limits.keep_alive_s)
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
                                      http=protocol_class(limits), **uvicorn_kw)
         self.server = _Server(self.config)
