@@ -48,25 +48,59 @@ def test_the_queue_is_bounded_and_a_wait_ends_with_its_timeout() -> None:
     assert asyncio.run(go()) == (False, False, 0)
 
 
-def test_gateway_load_is_cpu_per_request_times_the_backlog() -> None:
-    t, cpu = [0.0], [0.0]
+def test_a_saturated_gateway_adds_its_backlog() -> None:
+    """Startup's CPU is not requests' work; a window where the CPU was busy all along
+    (0.9 s of CPU per second) forecasts the whole backlog: CPU per request x requests
+    awaiting a first token."""
+    t, cpu = [0.0], [5.0]  # (5 s of startup CPU before the first request)
     load = GatewayLoad(1.0, cpu=lambda: cpu[0], clock=lambda: t[0])
     for _ in range(4):
         load.sent()
     assert load.delay_s() == 0.0  # (nothing measured yet)
-    for _ in range(4):  # 4 requests done in 2 s of wall time, 0.008 s of CPU
+    for _ in range(4):  # 4 requests done in 2 s of wall time, 1.8 s of CPU
         t[0] += 0.5
-        cpu[0] += 0.002
+        cpu[0] += 0.45
         load.answered()
         load.completed()
-    assert load.cpu_per_request_s == pytest.approx(0.002)
-    for _ in range(10):
+    assert load.cpu_per_request_s == pytest.approx(0.45)
+    assert load.utilization == pytest.approx(0.9)
+    for _ in range(3):
         load.sent()
-    assert load.delay_s() == pytest.approx(0.02)
+    assert load.delay_s() == pytest.approx(3 * 0.45)  # (the backlog: under 0.9 x 0.45 / 0.1)
     pokes = []
     load.on_capacity = lambda: pokes.append(1)
     load.answered()
-    assert pokes and load.awaiting == 9
+    assert pokes and load.awaiting == 2
+
+
+def test_a_lightly_loaded_gateway_adds_little() -> None:
+    """At 10% CPU the wait is the Pollaczek-Khinchine one, rho c / (1 - rho), however many
+    requests await their first token upstream (they wait for the engine, not for this CPU),
+    and a later window replaces an earlier busy one; a burst counts before its window closes
+    (the load it offers: requests sent so far x CPU per request, over the window)."""
+    t, cpu = [0.0], [0.0]
+    load = GatewayLoad(1.0, cpu=lambda: cpu[0], clock=lambda: t[0])
+    load.sent()
+    t[0], cpu[0] = 1.0, 0.9  # a busy first window (compiling): 0.9 s of CPU for one request
+    load.completed()
+    assert load.utilization == pytest.approx(0.9)
+    for _ in range(10):
+        load.sent()
+    for k in range(10):  # then 10 requests in 1 s at 10 ms of CPU each
+        t[0] = 1.0 + 0.1 * (k + 1)
+        cpu[0] += 0.01
+        load.completed()
+    assert load.cpu_per_request_s == pytest.approx(0.01)
+    assert load.utilization == pytest.approx(0.1)
+    assert load.delay_s() == pytest.approx(0.1 * 0.01 / 0.9)
+    t[0] = 3.0  # an idle second: its window closes on time, the CPU per request is kept
+    assert load.delay_s() == 0.0 and load.utilization == 0.0
+    assert load.cpu_per_request_s == pytest.approx(0.01)
+    t[0] = 3.01  # then a burst, routed before any window closes: the load it offers counts
+    for _ in range(100):
+        load.sent()
+    assert load.awaiting == 111  # (offered 100 x 10 ms in 1 s: the backlog counts whole)
+    assert load.delay_s() == pytest.approx(111 * 0.01)
 
 
 def test_priorities_when_no_instance_can_meet_the_target() -> None:
@@ -121,7 +155,7 @@ def test_llm_d_slo_headers_are_targets() -> None:
 
 def test_a_burst_spreads_over_the_pool_once_the_gateway_counts_its_own_load() -> None:
     """30 short requests at once over the demo pool, with the gateway's CPU per request set
-    (0.1 s; its window long enough that no measure replaces it during the test: the premise
+    (0.1 s, the CPU saturated; its window long enough that no measure replaces it during the test: the premise
     does not depend on this machine's speed): once two or three are awaiting their first
     token the backlog alone exceeds the target at the best instance, so the burst does not
     all go to it (without the backlog in the forecasts a burst of 500 all went to the one
@@ -140,6 +174,7 @@ def test_a_burst_spreads_over_the_pool_once_the_gateway_counts_its_own_load() ->
         svc = await Service(pool, drain_timeout_s=3.0).start()
         try:
             svc.gateway.load.cpu_per_request_s = 0.1
+            svc.gateway.load.utilization = 1.0  # (saturated: the backlog counts whole)
             async with httpx.AsyncClient(base_url=svc.url, timeout=120) as c:
                 rs = await asyncio.gather(*(c.post("/v1/chat/completions",
                                                    json=chat(max_tokens=4))

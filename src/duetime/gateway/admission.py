@@ -11,9 +11,12 @@ The gateway's own load (:class:`GatewayLoad`): a burst of 500 short requests ove
 emulators all went to the one instance whose forecast met the target, and was served hundreds
 of times later than forecast — what dominated was the CPU of handling 500 requests at once in
 the serving process, which no engine forecast counts. So every forecast also counts the
-requests the gateway has sent and not yet seen a first token for, at the process's measured
-CPU seconds per request: under a burst the forecasts grow with it, the best instance stops
-meeting the target, and the requests spread (and are shed or queued by priority).
+gateway's own CPU: the wait of a CPU as busy as measured, capped by the requests it has sent
+and not yet seen a first token for at its measured CPU seconds per request. Under a burst the
+gateway saturates, the forecasts grow with its backlog, the best instance stops meeting the
+target, and the requests spread (and are shed or queued by priority); at a light load it adds
+almost nothing (counting the whole backlog there made live forecasts through the gateway
+two to three times worse than none).
 """
 
 from __future__ import annotations
@@ -30,27 +33,58 @@ PRIORITIES = ("critical", "standard", "sheddable")
 
 
 class GatewayLoad:
-    """What the gateway process itself adds to a request's time to first token: the requests
-    sent upstream and not yet answered with a first token, times the CPU seconds the process
-    spends per request (measured: process CPU time over requests completed, on windows of
-    ``window_s``; an exponential average of the windows)."""
+    """What the gateway process itself adds to a request's time to first token.
 
-    def __init__(self, window_s: float = 1.0, *, cpu=time.process_time,
+    The process is one CPU that every request visits about twice before its first token
+    (accept, route and send; receive and relay the first token). Measured on windows of
+    ``window_s`` that start at the first request (startup's tokenizer load and compilations
+    are not requests' work) and close on time, whatever completes: ``utilization`` rho, the
+    process CPU time over the window's wall time, and ``cpu_per_request_s`` c, that CPU time
+    over the requests completed in the window (kept from an earlier window when none
+    completed). Each window replaces the last: a slow average kept a window of compilation
+    for many seconds and forecast seconds of gateway delay where there were milliseconds.
+    A burst is routed faster than a window closes, so the window under way counts too, as
+    the load offered so far: the requests sent in it times c, over ``window_s`` (or its
+    length once longer); rho is the larger of the two.
+
+    The delay is the Pollaczek-Khinchine mean wait of those two visits at a CPU busy rho of
+    the time, rho c / (1 - rho), capped by the backlog itself, c times the requests sent and
+    not yet answered: an idle or lightly loaded gateway adds almost nothing; a saturated one
+    (a burst of 500) adds its whole backlog, so the best instance stops meeting the target
+    and the burst spreads."""
+
+    def __init__(self, window_s: float = 0.25, *, cpu=time.process_time,
                  clock=time.monotonic) -> None:
         self.window_s = window_s
         self.on_capacity: Callable[[], None] | None = None  # (the admission queue's poke)
         self.awaiting = 0  # sent upstream, no first token yet (all instances)
         self.cpu_per_request_s = 0.0
+        self.utilization = 0.0
         self._cpu, self._clock = cpu, clock
         self._completed = 0
-        self._mark = (clock(), cpu(), 0)
+        self._sent = 0
+        # (time, CPU, completed, sent) where the window under way began: set by the first
+        # request
+        self._mark: tuple[float, float, int, int] | None = None
 
     def delay_s(self) -> float:
-        """Seconds the gateway's backlog adds to a request sent now."""
-        return self.cpu_per_request_s * self.awaiting
+        """Seconds the gateway's own CPU adds to a request sent now."""
+        t = self._roll()
+        c = self.cpu_per_request_s
+        if c == 0.0 or self.awaiting == 0:
+            return 0.0
+        t0, _, _, sent0 = self._mark  # type: ignore[misc]
+        offered = (self._sent - sent0) * c / max(t - t0, self.window_s)
+        rho = min(max(self.utilization, offered), 0.999)
+        return min(c * self.awaiting, rho * c / (1.0 - rho))
 
     def sent(self) -> None:
         self.awaiting += 1
+        if self._mark is None:
+            self._mark = (self._clock(), self._cpu(), self._completed, self._sent)
+        else:
+            self._roll()
+        self._sent += 1
 
     def answered(self) -> None:
         """A first token came back (or the attempt ended without one)."""
@@ -59,18 +93,27 @@ class GatewayLoad:
             self.on_capacity()
 
     def completed(self) -> None:
-        """A request ended: every ``window_s``, the CPU per request of the last window."""
+        """A request ended."""
         self._completed += 1
         if self.on_capacity is not None:
             self.on_capacity()
-        t, cpu = self._clock(), self._cpu()
-        t0, cpu0, n0 = self._mark
-        if t - t0 < self.window_s or self._completed == n0:
-            return
-        sample = (cpu - cpu0) / (self._completed - n0)
-        self.cpu_per_request_s = (sample if self.cpu_per_request_s == 0.0
-                                  else 0.7 * self.cpu_per_request_s + 0.3 * sample)
-        self._mark = (t, cpu, self._completed)
+        self._roll()
+
+    def _roll(self) -> float:
+        """Close the window once ``window_s`` has passed: its measures replace the last.
+        Returns the time now."""
+        t = self._clock()
+        if self._mark is None:
+            return t
+        t0, cpu0, n0, _ = self._mark
+        if t - t0 < self.window_s:
+            return t
+        cpu = self._cpu()
+        self.utilization = min(1.0, (cpu - cpu0) / (t - t0))
+        if self._completed > n0:
+            self.cpu_per_request_s = (cpu - cpu0) / (self._completed - n0)
+        self._mark = (t, cpu, self._completed, self._sent)
+        return t
 
 
 class AdmissionQueue:

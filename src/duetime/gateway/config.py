@@ -169,10 +169,10 @@ class AdmissionSpec(_Strict):
     priority (:mod:`duetime.gateway.admission`)."""
 
     max_queued: int = Field(256, ge=0, le=100_000)  # critical requests waiting in the gateway
-    # the gateway's backlog (requests sent, no first token yet) x its measured CPU seconds per
-    # request, added to every forecast
+    # the gateway's own CPU in every forecast: the wait at its measured utilization, capped by
+    # its backlog (requests sent, no first token yet) x its measured CPU seconds per request
     gateway_load: bool = True
-    cpu_window_s: float = Field(1.0, gt=0, le=600)
+    cpu_window_s: float = Field(0.25, gt=0, le=600)  # its measuring window
 
 
 class PoolSpec(_Strict):
