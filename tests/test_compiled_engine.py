@@ -249,3 +249,30 @@ def test_observing_fewer_tokens_than_the_engine_ran_ahead_keeps_the_pool_whole(
     eng.abort("b")
     eng.check_invariants()
     assert eng.free_blocks == cfg.usable_blocks
+
+
+def test_a_long_lived_caching_engine_keeps_memory_bounded_by_its_live_requests() -> None:
+    """A gateway's shadow replica at 128K context sees thousands of requests without
+    ``max_tokens`` (each may run to max_model_len: its slice of the block arena is 8,192
+    blocks, 64 KB) and forecasts on it (each makes room past the engine's slices, doubling
+    the arena): finished ones' slices are reclaimed once they are most of the arena, not
+    only once 4,096 rows have piled up (the reliability suite's soak grew 257 -> 679 MB over
+    3,000 requests, almost all of it these arenas)."""
+    from dataclasses import replace
+
+    from duetime.engine.forecasting import forecast
+    from duetime.engine.profiles import load_profile
+
+    spec = load_profile("qwen3-8b")
+    cfg = replace(spec.config, enable_prefix_caching=True, max_model_len=131072)
+    eng = Engine(cfg, spec.batch_time, retain_finished=False)
+    one_slice = 131072 // cfg.block_size * 8  # bytes
+    for k in range(600):
+        eng.add(f"r{k}", 100, cfg.max_model_len - 101, hashes=[k])
+        eng.run_until(eng.time + 0.01)
+        forecast(eng.snapshot(), 200, 10, prompt_hashes=[k, k + 1])
+        if k >= 4:
+            eng.abort(f"r{k - 4}")  # (about five live at a time)
+    eng.check_invariants()
+    assert eng.num_running + eng.num_waiting == 4
+    assert eng.memory_bytes < 64 * one_slice, eng.memory_bytes  # (600 slices: 38 MB)

@@ -218,6 +218,14 @@ class Engine:
         return (self._revision, int(self._st[kn.K]), float(self._clock[0]))
 
     @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the engine's arrays (its per-request rows and, with prefix caching,
+        the block and key arenas): what a long-lived replica costs."""
+        arrays = (self._req, self._stamps, self._run, self._pred, self._arrival, self._wq,
+                  self._work, self._rb, self._rk)
+        return sum(int(a.nbytes) for a in arrays)
+
+    @property
     def num_added(self) -> int:
         """Requests added and still remembered (all of them while finished ones are kept)."""
         return len(self._ids)
@@ -340,6 +348,11 @@ class Engine:
                              f"reach max_model_len {self.config.max_model_len}")
         if self.caching:  # (its slices go where a forecast's lease may still lie)
             self._reclaim()
+            # finished rows' slices are most of a sizeable block arena: reclaimed, not kept
+            # until COMPACT_AT rows (each copy is paid for by as many finished slices)
+            if (not self.retain_finished and self._rb_used > 4 * self._cap(
+                    self.config.max_model_len, 0) and 2 * self._live_blocks() < self._rb_used):
+                self.compact()
         r = len(self._ids)
         if r >= self._req.shape[0]:
             if not self.retain_finished and r >= COMPACT_AT and (
@@ -365,8 +378,16 @@ class Engine:
     def _blocks_cap(self, r: int) -> int:
         """The most blocks row ``r`` can hold (its whole sequence, up to max_model_len)."""
         req = self._req
-        tokens = int(req[r, kn.PROMPT]) + max(int(req[r, kn.STOP]), int(req[r, kn.OUTPUT])) + 1
+        return self._cap(int(req[r, kn.PROMPT]), max(int(req[r, kn.STOP]), int(req[r, kn.OUTPUT])))
+
+    def _cap(self, prompt_tokens: int, output_tokens: int) -> int:
+        tokens = prompt_tokens + output_tokens + 1
         return blocks_for(min(tokens, self.config.max_model_len), self.config.block_size)
+
+    def _live_blocks(self) -> int:
+        """The block arena's entries that running and waiting rows' slices take."""
+        live = np.concatenate((self._run[:int(self._st[kn.NRUN])], self._waiting_rows()))
+        return int(self._req[live, kn.BCAP].sum())
 
     def _place(self, r: int, keys: np.ndarray) -> None:
         """Prefix caching: row ``r`` gets its slices of the arenas (blocks, keys) and an id
