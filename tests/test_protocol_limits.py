@@ -389,6 +389,50 @@ def test_failing_upstream_502_names_no_host_port_nor_library_error():
         assert leak not in err["message"], err["message"]
 
 
+def test_upstream_client_errors_are_relayed_clipped():
+    """An instance's 4xx is the client's answer, but its message is clipped like ours: a
+    FastAPI validation error quoting a 100 KB input, and an OpenAI error with a long message
+    (its type and code kept)."""
+    big = "x" * 100_000
+    answers = {
+        "detail": (422, {"detail": [{"type": "string_type", "msg": "bad", "input": big}]}),
+        "openai": (400, {"error": {"message": "too long: " + big, "type": "BadRequestError",
+                                   "param": "messages", "code": 400}}),
+    }
+
+    async def upstream_app(which: str) -> Starlette:
+        async def health(request: Request) -> JSONResponse:
+            return JSONResponse({})
+
+        async def complete(request: Request) -> JSONResponse:
+            await request.body()
+            status, body = answers[which]
+            return JSONResponse(body, status_code=status)
+
+        return Starlette(routes=[Route("/health", health),
+                                 Route("/v1/chat/completions", complete, methods=["POST"])])
+
+    async def go(which: str) -> httpx.Response:
+        server = await AppServer(await upstream_app(which)).start()
+        try:
+            cfg = config()
+            cfg["instances"][0].update({"url": server.url, "emulate": None})
+            async with gateway(cfg) as (_svc, c):
+                return await c.post("/v1/chat/completions", json=chat())
+        finally:
+            await server.stop()
+
+    r = run(go("detail"))
+    err = is_error(r, 422, None)
+    assert len(err["message"]) <= MAX_MESSAGE + len(TRUNCATED) and "string_type" in err["message"]
+    assert len(r.content) < 1000
+    r = run(go("openai"))
+    err = is_error(r, 400, 400)
+    assert err["message"].startswith("too long: x") and err["message"].endswith(TRUNCATED)
+    assert err["type"] == "BadRequestError" and err["param"] == "messages"
+    assert len(r.content) < 1000
+
+
 @pytest.mark.parametrize("method,path,status,code", [
     ("GET", "/nowhere", 404, "not_found"),
     ("GET", "/v1/chat/completions", 405, "method_not_allowed"),

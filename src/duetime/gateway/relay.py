@@ -47,7 +47,8 @@ class AttemptFailed(Exception):
 
 
 class Passthrough(Exception):
-    """The upstream answered a client error (4xx): relay it as is."""
+    """The upstream answered a client error (4xx): relay it (its message clipped:
+    :func:`~duetime.serving.errors.relayed_error`)."""
 
     def __init__(self, status: int, body: bytes) -> None:
         super().__init__(status)

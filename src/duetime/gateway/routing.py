@@ -32,7 +32,7 @@ from duetime.policy.base import Policy, RoutingRequest
 from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, SUCCESS
 from duetime.predict.quality_source import QualitySource, Query, TaskTable
 from duetime.serving.asgi import Scope, Send, header, send_json
-from duetime.serving.errors import ApiError
+from duetime.serving.errors import ApiError, relayed_error
 from duetime.serving.prefix_keys import prompt_block_keys
 from duetime.serving.requests import CompletionRequest, prompt_texts
 
@@ -325,6 +325,6 @@ class Router:
                     "event": "upstream_error", "id": rid, "instance": inst.name,
                     "kind": e.kind, "error": str(e), "attempt": attempt}})
             except Passthrough as e:
-                await send_json(send, e.status, e.body, [(b"x-duetime-instance",
-                                                          inst.name.encode())])
+                await send_json(send, e.status, relayed_error(e.status, e.body),
+                                [(b"x-duetime-instance", inst.name.encode())])
                 return e.status

@@ -53,6 +53,39 @@ def error_body(status: int, message: str, **kw: Any) -> bytes:
     return ApiError(status, message, **kw).encode()
 
 
+def relayed_error(status: int, body: bytes) -> bytes:
+    """An upstream server's client-error body as relayed to the client: its OpenAI
+    ``error`` fields kept (type, code), the message and param clipped like ours; a body of any
+    other shape (FastAPI's ``detail`` list, text) becomes one clipped message. Upstream
+    validation errors may quote the request (pydantic's ``input``): never echoed whole."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    err = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err, dict) and isinstance(err.get("message"), str):
+        code, type_, param = err.get("code"), err.get("type"), err.get("param")
+        return json.dumps({"error": {
+            "message": clip(err["message"]),
+            "type": type_ if isinstance(type_, str) else _TYPES.get(status,
+                                                                    "invalid_request_error"),
+            "param": clip(param, 100) if isinstance(param, str) else None,
+            "code": code if isinstance(code, int | str) and len(str(code)) <= 100 else None,
+        }}).encode()
+    if isinstance(data, dict) and "detail" in data:
+        text = json.dumps(data["detail"]) if not isinstance(data["detail"], str) else data["detail"]
+    else:
+        text = body.decode("utf-8", "replace")
+    return error_body(status, text or http_phrase(status))
+
+
+def http_phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return f"status {status}"
+
+
 def raw_response(err: ApiError) -> bytes:
     """A whole HTTP/1.1 response (``connection: close``) carrying ``err``: what a server's
     protocol writes itself when it rejects a request before any app sees it."""
