@@ -588,3 +588,35 @@ def test_a_drain_that_finishes_in_time_cuts_nothing():
 
     cut, r = run(go())
     assert r.status_code == 200 and cut == 0
+
+
+def test_a_stream_cut_at_the_drain_timeout_is_counted_as_a_503_not_a_disconnect():
+    """In-process: a stream still open at the drain timeout ends with the server_shutdown
+    event and is counted under status 503; no client disconnect is counted."""
+    drain = 0.5
+    cfg = config(instances=[{"name": "a", "model": "big", "profile": "qwen3-0.6b",
+                             "emulate": {"speed": 0.02}, "price_usd_per_mtok": PRICE}])
+
+    async def go() -> tuple[int, list[bytes], Any]:
+        svc = await Service(pool_from_dict(cfg, "t"), drain_timeout_s=drain).start()
+        metrics = svc.gateway.metrics
+        events: list[bytes] = []
+        async with httpx.AsyncClient(base_url=svc.url, timeout=drain + 30) as c, c.stream(
+                "POST", "/v1/chat/completions", json=chat(max_tokens=2000, stream=True)) as r:
+            stopping = None
+            buf = b""
+            async for chunk in r.aiter_bytes():
+                buf += chunk
+                *done, buf = buf.split(b"\n\n")
+                events.extend(done)
+                if events and stopping is None:
+                    stopping = asyncio.create_task(svc.stop())
+        return await stopping, events, metrics
+
+    cut, events, metrics = run(go())
+    assert cut == 1
+    assert json.loads(events[-1].removeprefix(b"data: "))["error"]["code"] == "server_shutdown"
+    value = metrics.registry.get_sample_value
+    assert value("duetime_requests_total", {"route": "chat", "status": "503"}) == 1
+    assert value("duetime_requests_total", {"route": "chat", "status": "499"}) is None
+    assert value("duetime_client_disconnects_total") == 0

@@ -149,8 +149,11 @@ class Gateway:
                 "event": "request", "status": status, "route": route, "error": e.message,
                 "e2e_ms": round((time.monotonic() - t0) * 1000, 2)}})
         except asyncio.CancelledError:
-            status = 499
-            self.metrics.cancelled.inc()
+            # the client went away (499), or the server cut the request at its drain timeout
+            # (the client was told: 503 server_shutdown, as a final event on a stream)
+            status = 499 if guard.gone else 503
+            if guard.gone:
+                self.metrics.cancelled.inc()
             raise
         except Exception:  # a bug: say so in the logs, answer 500 if still possible
             status = 500
