@@ -7,16 +7,14 @@ at once (429 with ``Retry-After``), a ``critical`` one waits in the gateway — 
 fair across clients — until an instance can meet its target or its target is spent, then goes
 to the best forecast; a ``standard`` one goes to the best forecast at once (SFS's own rule).
 
-The gateway's own load (:class:`GatewayLoad`): a burst of 500 short requests over fast
-emulators all went to the one instance whose forecast met the target, and was served hundreds
-of times later than forecast — what dominated was the CPU of handling 500 requests at once in
-the serving process, which no engine forecast counts. So every forecast also counts the
-gateway's own CPU: the wait of a CPU as busy as measured, capped by the requests it has sent
-and not yet seen a first token for at its measured CPU seconds per request. Under a burst the
-gateway saturates, the forecasts grow with its backlog, the best instance stops meeting the
-target, and the requests spread (and are shed or queued by priority); at a light load it adds
-almost nothing (counting the whole backlog there made live forecasts through the gateway
-two to three times worse than none).
+The gateway's own load (:class:`GatewayLoad`): every forecast also counts the gateway's own
+CPU, the wait of a CPU as busy as measured, capped by the requests it has sent and not yet seen
+a first token for at its measured CPU seconds per request. Under a burst the gateway
+saturates and the forecasts grow with its backlog, so the burst's requests miss their targets
+and are admitted by priority (shed, queued, or sent to the best forecast); at a light load it
+adds almost nothing (counting the whole backlog there made live forecasts through the gateway
+two to three times worse than none). The gateway's CPU is the same whichever instance a
+request goes to: it decides admission, not the split (``benchmarks/burst.py``).
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class GatewayLoad:
     The delay is the Pollaczek-Khinchine mean wait of those two visits at a CPU busy rho of
     the time, rho c / (1 - rho), capped by the backlog itself, c times the requests sent and
     not yet answered: an idle or lightly loaded gateway adds almost nothing; a saturated one
-    (a burst of 500) adds its whole backlog, so the best instance stops meeting the target
-    and the burst spreads."""
+    (a burst of 500) adds its whole backlog."""
 
     def __init__(self, window_s: float = 0.25, *, cpu=time.process_time,
                  clock=time.monotonic) -> None:
