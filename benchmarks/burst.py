@@ -3,9 +3,9 @@
 The demo pool (Qwen3 0.6B / 8B / 32B on H100 timing, emulated in the gateway's own process, as
 ``duetime serve`` runs it) behind ``duetime serve --config`` (its own process), policy
 ``sfs``; the client in this process. For each setting of ``admission.gateway_load`` (the
-gateway's own CPU in the forecasts: on, off), in turn in one run: a fresh gateway, ``--warmup`` requests one after another (so that a
-measuring window closes), then ``--burst`` streamed requests at once (a short chat,
-``max_tokens`` 4). Prints, per setting: how many requests each instance served, the burst's
+gateway's own CPU in the forecasts: on, off), in turn in one run: a fresh gateway,
+``--warmup`` requests one after another (so that a measuring window closes), then ``--burst``
+streamed requests at once (a short chat, ``max_tokens`` 4). Prints, per setting: how many requests each instance served, the burst's
 wall time, TTFT p50 / p90 as the client saw it and as the gateway did (from a request's
 arrival: ``duetime_ttft_seconds``), and the forecast's error under the burst, observed over
 forecast TTFT from the routing decision (``duetime_forecast_ttft_ratio``, p50 / p90). The two
