@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -47,6 +48,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def mb(x: float) -> str:
+    """A table cell for an RSS: "–" where the process had exited."""
+    return "–" if math.isnan(x) else f"{x:.0f}"
 
 
 def rss_mb(pid: int) -> float:
@@ -161,7 +167,7 @@ class Tally:
     def row(self, name: str, rss: tuple[float, float], code: int | None) -> str:
         return (f"| {name} | {self.requests} | {self.succeeded} | {self.lost} | "
                 f"{self.broken} | {self.cut} | "
-                f"{self.other} | {rss[0]:.0f} → {rss[1]:.0f} | "
+                f"{self.other} | {mb(rss[0])} → {mb(rss[1])} | "
                 f"{'' if code is None else code} |")
 
 
