@@ -172,6 +172,7 @@ class Engine:
         else:
             self._pool, self._kmap, self._rb, self._rk, self._undo = kn.NO_POOL
         self._rb_used = self._rk_used = self._uid = 0
+        self._rb_looked = 0  # the block arena's used part when add() last looked at it
         self._pred = np.zeros(n, dtype=np.int64)  # predicted output length (the router's view)
         self._arrival = np.zeros(n)
         self._ids: list[str] = []
@@ -349,10 +350,13 @@ class Engine:
         if self.caching:  # (its slices go where a forecast's lease may still lie)
             self._reclaim()
             # finished rows' slices are most of a sizeable block arena: reclaimed, not kept
-            # until COMPACT_AT rows (each copy is paid for by as many finished slices)
-            if (not self.retain_finished and self._rb_used > 4 * self._cap(
-                    self.config.max_model_len, 0) and 2 * self._live_blocks() < self._rb_used):
-                self.compact()
+            # until COMPACT_AT rows (each copy is paid for by as many finished slices); looked
+            # at once the arena's used part has doubled since the last look
+            if not self.retain_finished and self._rb_used > max(
+                    4 * self._cap(self.config.max_model_len, 0), 2 * self._rb_looked):
+                if 2 * self._live_blocks() < self._rb_used:
+                    self.compact()
+                self._rb_looked = self._rb_used
         r = len(self._ids)
         if r >= self._req.shape[0]:
             if not self.retain_finished and r >= COMPACT_AT and (

@@ -76,25 +76,22 @@ def relayed_error(status: int, body: bytes) -> bytes:
         text = json.dumps(data["detail"]) if not isinstance(data["detail"], str) else data["detail"]
     else:
         text = body.decode("utf-8", "replace")
-    return error_body(status, text or http_phrase(status))
+    return error_body(status, text or _phrase(status) or f"status {status}")
 
 
-def http_phrase(status: int) -> str:
+def _phrase(status: int) -> str:
+    """HTTP's reason phrase for ``status`` ("" for a code it does not know)."""
     try:
         return http.HTTPStatus(status).phrase
     except ValueError:
-        return f"status {status}"
+        return ""
 
 
 def raw_response(err: ApiError) -> bytes:
     """A whole HTTP/1.1 response (``connection: close``) carrying ``err``: what a server's
     protocol writes itself when it rejects a request before any app sees it."""
     body = err.encode()
-    try:
-        phrase = http.HTTPStatus(err.status).phrase
-    except ValueError:
-        phrase = ""
-    return (f"HTTP/1.1 {err.status} {phrase}\r\ncontent-type: application/json\r\n"
+    return (f"HTTP/1.1 {err.status} {_phrase(err.status)}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
