@@ -12,3 +12,16 @@ def _warm_kernels() -> None:
     from duetime.engine.warmup import warm_up
 
     warm_up()
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real redis-server of the test's own, on a free loopback port (tests/redis_server.py)."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -42,6 +42,10 @@ def run(coro: Any, timeout: float = 30.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+def admit(auth: Auth, *args: Any) -> Any:
+    return asyncio.run(auth.admit(*args))
+
+
 def write(path: Path, entries: Any) -> str:
     path.write_text(yaml.safe_dump(entries))
     return str(path)
@@ -179,28 +183,28 @@ def test_unknown_or_missing_key_is_401_and_the_key_is_never_in_the_message(tmp_p
 def test_model_not_allowed_is_403_and_an_alias_needs_the_alias(tmp_path):
     auth = auth_over(tmp_path, Clock())
     bob = auth.identify(scope(BOB))
-    auth.admit(bob, "small", 10)
+    admit(auth, bob, "small", 10)
     for model in ("big", "auto", None):
         with pytest.raises(ApiError) as e:
-            auth.admit(bob, model, 10)
+            admit(auth, bob, model, 10)
         assert (e.value.status, e.value.code, e.value.param) == (403, "model_not_allowed",
                                                                   "model")
     carol = auth.identify(scope(CAROL))
     for model in ("big", "auto", None):
-        auth.admit(carol, model, 10)  # no models listed: all
+        admit(auth, carol, model, 10)  # no models listed: all
 
 
 def test_rpm_refuses_with_the_time_until_a_request_fits(tmp_path):
     clock = Clock()
     auth = auth_over(tmp_path, clock, rpm=2)
     alice = auth.identify(scope(ALICE))
-    g = auth.admit(alice, None, 10)
+    g = admit(auth, alice, None, 10)
     assert dict(g.headers)[b"x-ratelimit-remaining-requests"] == b"1"
     assert dict(g.headers)[b"x-ratelimit-limit-requests"] == b"2"
-    auth.admit(alice, None, 10)
+    admit(auth, alice, None, 10)
     clock.t += 6.0  # a fifth of a request refilled (2 per minute: one per 30 s)
     with pytest.raises(RateLimited) as e:
-        auth.admit(alice, None, 10)
+        admit(auth, alice, None, 10)
     h = dict(e.value.headers)
     assert (e.value.status, e.value.code, e.value.type) == (429, "rate_limit_exceeded",
                                                              "requests")
@@ -209,9 +213,9 @@ def test_rpm_refuses_with_the_time_until_a_request_fits(tmp_path):
     assert h[b"x-ratelimit-reset-requests"] == b"54s"  # until both are back
     clock.t += 23.9
     with pytest.raises(RateLimited):
-        auth.admit(alice, None, 10)
+        admit(auth, alice, None, 10)
     clock.t += 0.2
-    auth.admit(alice, None, 10)  # refused requests took nothing
+    admit(auth, alice, None, 10)  # refused requests took nothing
 
 
 def test_tpm_counts_prompt_tokens_at_admission_and_output_tokens_when_known(tmp_path):
@@ -219,35 +223,39 @@ def test_tpm_counts_prompt_tokens_at_admission_and_output_tokens_when_known(tmp_
     auth = auth_over(tmp_path, clock, tpm=100, rpm=1000)
     store = auth.meter(MemoryStore())
     alice = auth.identify(scope(ALICE))
-    g = auth.admit(alice, None, 10)
-    assert dict(g.headers)[b"x-ratelimit-remaining-tokens"] == b"90"
-    # the relay dispatches two attempts in the request's task; 50 tokens streamed in all
-    for i, streamed in enumerate((20, 30)):
-        f = Flight(f"r-{i}", 10, 4, clock.t, None)
-        f.tokens = streamed
-        store.add("a", f)
-    g.settle()
+
+    async def request() -> None:  # (admission, the attempts and settling: one task)
+        g = await auth.admit(alice, None, 10)
+        assert dict(g.headers)[b"x-ratelimit-remaining-tokens"] == b"90"
+        # the relay dispatches two attempts in the request's task; 50 tokens streamed in all
+        for i, streamed in enumerate((20, 30)):
+            f = Flight(f"r-{i}", 10, 4, clock.t, None)
+            f.tokens = streamed
+            store.add("a", f)
+        g.settle()
+
+    asyncio.run(request())
     with pytest.raises(RateLimited) as e:  # 40 left: 50 more prompt tokens wait 6 s
-        auth.admit(alice, None, 50)
+        admit(auth, alice, None, 50)
     assert e.value.type == "tokens"
     assert dict(e.value.headers)[b"retry-after"] == b"6"
     with pytest.raises(RateLimited) as e:  # more than the limit: never
-        auth.admit(alice, None, 101)
+        admit(auth, alice, None, 101)
     assert b"retry-after" not in dict(e.value.headers)
     assert "Request too large" in e.value.message
     # a request outside any grant charges no one
     store.add("a", Flight("other", 10, 4, clock.t, None))
     clock.t += 6.0
-    auth.admit(alice, None, 50)
+    admit(auth, alice, None, 50)
 
 
 def test_memory_store_refills_up_to_the_limit_and_takes_all_draws_or_none():
     s = MemoryLimitStore()
     both = [Draw("k:requests", 60, 1), Draw("k:tokens", 100, 80)]
-    assert s.acquire(both, 0.0)[0]
-    ok, levels = s.acquire(both, 0.0)  # tokens short: the request is not taken either
+    assert asyncio.run(s.acquire(both, 0.0))[0]
+    ok, levels = asyncio.run(s.acquire(both, 0.0))  # tokens short: the request is not taken either
     assert not ok and levels[0].remaining == 59 and levels[1].wait_s == pytest.approx(36.0)
-    ok, levels = s.acquire([Draw("k:requests", 60, 1)], 3600.0)
+    ok, levels = asyncio.run(s.acquire([Draw("k:requests", 60, 1)], 3600.0))
     assert ok and levels[0].remaining == 59  # capped at the limit
 
 

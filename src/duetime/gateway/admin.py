@@ -63,7 +63,8 @@ def admin_routes(gw: Gateway) -> list[Route]:
         if not gw.auth.reveals_urls(request):  # names only (duetime.gateway.auth)
             described = [{**d, "url": None, "last_error": d["last_error"] and "(hidden)"}
                          for d in described]
-        return JSONResponse({"policy": gw.pool.policy, "instances": described})
+        store = ({"kind": "memory"} if gw.shared is None else gw.shared.describe())
+        return JSONResponse({"policy": gw.pool.policy, "store": store, "instances": described})
 
     return gw.auth.protect([
         Route("/v1/models", models, methods=["GET"]),

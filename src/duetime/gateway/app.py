@@ -34,8 +34,11 @@ from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.openapi import openapi_document
 from duetime.gateway.pollers import Pollers
+from duetime.gateway.ratelimit import Limiter
+from duetime.gateway.ratelimit_redis import RedisLimitStore
 from duetime.gateway.relay import Relay
 from duetime.gateway.routing import Router
+from duetime.gateway.store_redis import RedisConnection, RedisFlightStore
 from duetime.gateway.upstream import Upstream
 from duetime.policy import make_policy
 from duetime.policy.registry import METRICS, SNAPSHOT
@@ -48,8 +51,9 @@ log = logging.getLogger("duetime.gateway")
 
 class Gateway:
     """The gateway's state and behaviour; :meth:`app` is its ASGI app. ``store`` keeps the
-    in-flight requests (this process's memory by default); ``host``: where it listens (None:
-    loopback), which the API-key checks consider (:mod:`duetime.gateway.auth`)."""
+    in-flight requests (by default: Redis when the pool's ``state.store`` names it, shared
+    with the other gateway replicas, else this process's memory); ``host``: where it listens
+    (None: loopback), which the API-key checks consider (:mod:`duetime.gateway.auth`)."""
 
     def __init__(self, pool: Pool, *, store: FlightStore | None = None,
                  host: str | None = None) -> None:
@@ -60,7 +64,14 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.policy = make_policy(pool.policy, pool.policy_params, defaults={
             "lambda": pool.lam, "seed": pool.seed, "delta": pool.delta, "alpha": pool.alpha})
-        self.auth = Auth(pool.auth, self.metrics.registry, host=host)
+        st = pool.state
+        if store is None and st.store is not None:
+            store = RedisFlightStore(RedisConnection(st.store, prefix=st.store_prefix),
+                                     sync_s=st.store_sync_s, ttl_s=st.store_ttl_s)
+        # (shared: other replicas' flights join the shadow replicas; rate limits hold for all)
+        self.shared = store if isinstance(store, RedisFlightStore) else None
+        limiter = None if self.shared is None else Limiter(RedisLimitStore(self.shared.conn))
+        self.auth = Auth(pool.auth, self.metrics.registry, host=host, limiter=limiter)
         self.store = self.auth.meter(store if store is not None else MemoryStore())
         now = time.monotonic()
         self.ejections = EjectionBudget(len(pool.instances), pool.health.max_ejected_fraction)
@@ -68,7 +79,8 @@ class Gateway:
         self.load = GatewayLoad(pool.admission.cpu_window_s)
         self.load.on_capacity = self.queue.poke
         self.instances = [InstanceState(i, pool, self.metrics, self.store, now, self.ejections,
-                                        self.load if pool.admission.gateway_load else None)
+                                        self.load if pool.admission.gateway_load else None,
+                                        self.shared)
                           for i in pool.instances]
         self.upstream: Upstream | None = None
         self.relay = Relay(pool, self.metrics, self._http)
@@ -93,12 +105,16 @@ class Gateway:
         self.upstream = Upstream(connect_s=t.connect_s, read_s=t.read_s)
         await self.upstream.start()
         self.pollers.start()
+        if self.shared is not None:
+            await self.shared.start(self.metrics)
         for s in self.instances:
             if s.events is not None:
                 s.events.start()
 
     async def close(self) -> None:
         await self.pollers.stop()
+        if self.shared is not None:
+            await self.shared.close()
         for s in self.instances:
             if s.events is not None:
                 s.events.close()
@@ -128,7 +144,7 @@ class Gateway:
             req = parse_completion(raw, chat=chat)
             router = self.router
             req.prompt_tokens = router.count_tokens(req)
-            grant = self.auth.admit(key, req.model, req.prompt_tokens)
+            grant = await self.auth.admit(key, req.model, req.prompt_tokens)
             send = grant.wrap(send)
             ctl = router.controls(scope, req.prompt_tokens)
             insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,

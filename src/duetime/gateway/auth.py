@@ -344,7 +344,7 @@ class Auth:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
         return key
 
-    def admit(self, key: ApiKey | None, model: str | None, prompt_tokens: int) -> Grant:
+    async def admit(self, key: ApiKey | None, model: str | None, prompt_tokens: int) -> Grant:
         """Admit a request of ``key`` for ``model`` (None: the default, any model) with
         ``prompt_tokens``: 403 if the key may not call it, 429 past its limits."""
         if key is None:
@@ -367,7 +367,7 @@ class Auth:
             draws.append(Draw(f"{key.name}:tokens", key.tpm, prompt_tokens))
         grant = Grant(key, auth=self)
         if draws:
-            ok, levels = self.limiter.acquire(draws)
+            ok, levels = await self.limiter.acquire(draws)
             by_kind = dict(zip(kinds, levels, strict=True))
             headers = _limit_headers(by_kind)
             if not ok:

@@ -141,6 +141,19 @@ class StateSpec(_Strict):
     # online correction of each instance's TTFT forecasts from the first tokens it delivers
     # (duetime.estimate.correction): on unless false
     ttft_correction: bool = True
+    # where gateway replicas share live state (duetime.gateway.store_redis): a redis:// (or
+    # rediss://, unix://) URL; unset: this process's memory only
+    store: str | None = None
+    store_sync_s: float = Field(0.02, gt=0, le=10)  # how often a replica syncs with the store
+    store_ttl_s: float = Field(5.0, gt=0, le=3600)  # a silent replica's state expires after this
+    store_prefix: str = Field("duetime", min_length=1, max_length=64, pattern=r"^[\w.:-]+$")
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("a Redis URL: redis://host:port/db, rediss://... or unix://path")
+        return v
 
 
 class TimeoutSpec(_Strict):

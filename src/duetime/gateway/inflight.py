@@ -100,6 +100,10 @@ class MemoryStore:
     def done(self, instance: str) -> Mapping[str, float]:
         return self._done.setdefault(instance, {})
 
+    def instances(self) -> list[str]:
+        """The instances with flights recorded (in flight or not)."""
+        return list(self._flights)
+
 
 class InFlight:
     """One instance's ledger over a :class:`FlightStore`. ``version`` changes with every

@@ -17,10 +17,11 @@ records (:meth:`dispatch`, :meth:`first_token`, :meth:`progress`, :meth:`complet
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
@@ -35,6 +36,7 @@ from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.published import PublishedSnapshots
 from duetime.gateway.scraped import ScrapedMetrics
 from duetime.gateway.shadow import ShadowReplica
+from duetime.gateway.store_redis import RedisFlightStore
 from duetime.policy.base import Candidate
 
 log = logging.getLogger("duetime.gateway")
@@ -45,10 +47,13 @@ class InstanceState:
 
     def __init__(self, instance: Instance, pool: Pool, metrics: GatewayMetrics,
                  store: FlightStore, now: float | None = None,
-                 budget: EjectionBudget | None = None, load: GatewayLoad | None = None) -> None:
+                 budget: EjectionBudget | None = None, load: GatewayLoad | None = None,
+                 shared: RedisFlightStore | None = None) -> None:
         """``budget``: the pool's ejection budget, shared by its instances (alone: none may
         be ejected). ``load``: the gateway's own backlog, added to every forecast's
-        overhead (:mod:`duetime.gateway.admission`; none: nothing added)."""
+        overhead (:mod:`duetime.gateway.admission`; none: nothing added). ``shared``: the
+        store other gateway replicas share their flights through (their flights join the
+        shadow replica: :meth:`remote_dispatch`)."""
         self.load = load
         now = time.monotonic() if now is None else now
         self.instance = instance
@@ -72,6 +77,9 @@ class InstanceState:
         self.health = HealthTracker(instance.name, metrics, budget or EjectionBudget(1, 0.0),
                                     eject_after=h.eject_after, window_s=h.window_s,
                                     failure_rate=h.failure_rate, min_requests=h.min_requests)
+        self.shared = shared
+        if shared is not None:
+            shared.listen(self.name, self)
 
     def _replica(self, now: float) -> None:
         """A new shadow replica of the instance as configured now."""
@@ -104,7 +112,7 @@ class InstanceState:
             self.instance, spec=dataclasses.replace(self.instance.spec, config=config))
         now = time.monotonic()
         self._replica(now)
-        for f in self.inflight.flights.values():  # (in dispatch order)
+        for f in self.all_flights():  # (in dispatch order, this replica's first)
             f.shadowed = False
             if "block_size" in new or not config.enable_prefix_caching:
                 f.hashes = None  # (keyed at the old block size)
@@ -125,6 +133,15 @@ class InstanceState:
     @property
     def flights(self) -> Mapping[str, Flight]:
         return self.inflight.flights
+
+    @property
+    def remote_flights(self) -> Mapping[str, Flight]:
+        """The other gateway replicas' flights here, as last synced (none without a store)."""
+        return {} if self.shared is None else self.shared.remote(self.name)
+
+    def all_flights(self) -> Iterator[Flight]:
+        """This replica's flights, then the others'."""
+        return itertools.chain(self.inflight.flights.values(), self.remote_flights.values())
 
     # -- which source ---------------------------------------------------------------------------
 
@@ -195,7 +212,7 @@ class InstanceState:
         received so far correct its cache first."""
         self._apply_events(now)
         if not self._published_fresh(now):
-            self.shadow.refresh(now, self.inflight.flights)
+            self.shadow.refresh(now, self.all_flights())
 
     def _apply_events(self, now: float) -> None:
         ev = self.events
@@ -264,13 +281,32 @@ class InstanceState:
                 self.load.answered()
             self.load.completed()
 
+    # -- what the other gateway replicas did (RemoteListener) -----------------------------------
+
+    def remote_dispatch(self, f: Flight, now: float) -> None:
+        """Another replica sent ``f`` here: it joins the shadow replica's queue (its block keys
+        only if they fit this replica's block size)."""
+        if f.hashes is not None and (not self.instance.config.enable_prefix_caching or len(
+                f.hashes) > f.prompt_tokens // self.instance.config.block_size):
+            f.hashes = None
+        self._apply_events(now)
+        self.shadow.add(f, now)
+
+    def remote_first_token(self, f: Flight, now: float) -> None:
+        self.shadow.first_token(f, now)
+
+    def remote_end(self, f: Flight, now: float) -> None:
+        self.shadow.remove(f)
+
     def describe(self) -> dict[str, object]:
         """For ``GET /duetime/instances`` (refresh first for an up-to-date queue)."""
         snap = self.snapshot()
         h = self.health
         return {"name": self.name, "model": self.model, "url": self.instance.url,
                 "healthy": h.healthy, "last_error": h.last_error or None,
-                "in_flight": len(self.inflight), "state_source": self.source(),
+                "in_flight": len(self.inflight),
+                "in_flight_all": len(self.inflight) + len(self.remote_flights),
+                "state_source": self.source(),
                 "publishes_snapshots": self.published.publishes,
                 "running": len(snap.running_table), "waiting": len(snap.waiting_table),
                 "kv_usage": round(self.kv_usage, 4),

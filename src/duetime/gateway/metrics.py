@@ -96,6 +96,23 @@ class GatewayMetrics:
             "The online correction factor of the instance's TTFT forecasts (median observed / "
             "raw forecast over its recent first tokens; 1 while learning or off).",
             ["instance"], registry=r)
+        self.store_up = Gauge("duetime_store_up",
+                              "1 while the shared store (Redis) answers; 0 while this replica "
+                              "routes on its local state only.", registry=r)
+        self.store_errors = Counter("duetime_store_errors",
+                                    "Failed calls to the shared store, by operation (sync, "
+                                    "limits).", ["op"], registry=r)
+        self.store_sync = Histogram("duetime_store_sync_seconds",
+                                    "Duration of one sync with the shared store (its round "
+                                    "trips).", buckets=OVERHEAD_BUCKETS, registry=r)
+        self.store_staleness = Histogram(
+            "duetime_store_staleness_seconds",
+            "Age of another replica's dispatch when this replica first sees it.",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 5.0),
+            registry=r)
+        self.store_remote = Gauge("duetime_in_flight_remote",
+                                  "Upstream requests in flight that other replicas dispatched, "
+                                  "as last synced.", ["instance"], registry=r)
         self.state_source = Counter("duetime_state_reads",
                                     "Instance state reads for routing by source (published, "
                                     "shadow, metrics).", ["instance", "source"], registry=r)

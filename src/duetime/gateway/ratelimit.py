@@ -11,8 +11,10 @@ at a window's edge (a fixed window has one), and the exact time until a request 
 one hash per bucket, the same arithmetic in a script) would run.
 
 :class:`RateLimitStore` is where the buckets live. :class:`MemoryLimitStore` keeps them in this
-process: today limits are per gateway process (N replicas admit up to N times a key's limit).
-``now`` is passed in by the caller (:class:`Limiter`'s clock), so tests need not sleep.
+process (N replicas would admit up to N times a key's limit);
+:class:`~duetime.gateway.ratelimit_redis.RedisLimitStore` keeps them in Redis, shared by every
+replica. ``now`` is passed in by the caller (:class:`Limiter`'s clock), so tests need not
+sleep; a shared store reads the time from Redis instead, so that replicas agree.
 """
 
 from __future__ import annotations
@@ -44,14 +46,15 @@ class Level:
 
 
 class RateLimitStore(Protocol):
-    """Where the buckets are kept (this process's memory; a shared store later)."""
+    """Where the buckets are kept (this process's memory, or Redis)."""
 
-    def acquire(self, draws: Sequence[Draw], now: float) -> tuple[bool, list[Level]]:
+    async def acquire(self, draws: Sequence[Draw], now: float) -> tuple[bool, list[Level]]:
         """Take every draw if all fit at ``now``, else none; each bucket's level after."""
         ...
 
-    def charge(self, draw: Draw, now: float) -> Level:
-        """Take the draw whether or not it fits (output tokens, known after the fact)."""
+    def charge(self, draw: Draw, now: float) -> None:
+        """Take the draw whether or not it fits (output tokens, known after the fact; a
+        shared store takes it in the background)."""
         ...
 
 
@@ -65,31 +68,33 @@ class MemoryLimitStore:
         units, t = self._buckets.get(d.bucket, (float(d.per_minute), now))
         return min(float(d.per_minute), units + max(0.0, now - t) * d.per_minute / 60.0)
 
-    def acquire(self, draws: Sequence[Draw], now: float) -> tuple[bool, list[Level]]:
+    def take(self, draws: Sequence[Draw], now: float) -> tuple[bool, list[Level]]:
+        """:meth:`acquire`, without awaiting (what a shared store falls back to)."""
         units = [self._units(d, now) for d in draws]
         ok = all(u >= d.cost for u, d in zip(units, draws, strict=True))
-        levels = []
         for u, d in zip(units, draws, strict=True):
-            left = u - d.cost if ok else u
             if ok:
-                self._buckets[d.bucket] = (left, now)
-            levels.append(_level(d, left, 0.0 if ok else _wait(d, u)))
-        return ok, levels
+                self._buckets[d.bucket] = (u - d.cost, now)
+        return ok, levels(draws, units, ok)
 
-    def charge(self, draw: Draw, now: float) -> Level:
-        left = self._units(draw, now) - draw.cost
-        self._buckets[draw.bucket] = (left, now)
-        return _level(draw, left, 0.0)
+    async def acquire(self, draws: Sequence[Draw], now: float) -> tuple[bool, list[Level]]:
+        return self.take(draws, now)
 
-
-def _wait(d: Draw, units: float) -> float:
-    if d.cost > d.per_minute:
-        return math.inf
-    return max(0.0, (d.cost - units) * 60.0 / d.per_minute)
+    def charge(self, draw: Draw, now: float) -> None:
+        self._buckets[draw.bucket] = (self._units(draw, now) - draw.cost, now)
 
 
-def _level(d: Draw, left: float, wait_s: float) -> Level:
-    return Level(d.per_minute, left, wait_s, max(0.0, (d.per_minute - left) * 60.0 / d.per_minute))
+def levels(draws: Sequence[Draw], units: Sequence[float], ok: bool) -> list[Level]:
+    """Each bucket's level after the draws were taken (``ok``) or refused, from the ``units``
+    each held before."""
+    out = []
+    for u, d in zip(units, draws, strict=True):
+        left = u - d.cost if ok else u
+        wait = 0.0 if ok else (math.inf if d.cost > d.per_minute
+                               else max(0.0, (d.cost - u) * 60.0 / d.per_minute))
+        out.append(Level(d.per_minute, left, wait,
+                         max(0.0, (d.per_minute - left) * 60.0 / d.per_minute)))
+    return out
 
 
 class Limiter:
@@ -101,8 +106,8 @@ class Limiter:
         self.store: RateLimitStore = store if store is not None else MemoryLimitStore()
         self.clock = clock
 
-    def acquire(self, draws: Sequence[Draw]) -> tuple[bool, list[Level]]:
-        return self.store.acquire(draws, self.clock())
+    async def acquire(self, draws: Sequence[Draw]) -> tuple[bool, list[Level]]:
+        return await self.store.acquire(draws, self.clock())
 
-    def charge(self, draw: Draw) -> Level:
-        return self.store.charge(draw, self.clock())
+    def charge(self, draw: Draw) -> None:
+        self.store.charge(draw, self.clock())

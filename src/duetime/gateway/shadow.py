@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -58,14 +58,14 @@ class ShadowReplica:
             for rid in eng.waiting_ids()[:1]:
                 eng.abort(rid)
 
-    def refresh(self, now: float, flights: Mapping[str, Flight]) -> None:
-        """Advance to ``now`` and apply the streamed token counts (at most every
+    def refresh(self, now: float, flights: Iterable[Flight]) -> None:
+        """Advance to ``now`` and apply the streamed token counts of ``flights`` (at most every
         ``sync_interval_s``)."""
         self._advance(now)
         if now - self._last_sync < self.sync_interval_s:
             return
         self._last_sync = now
-        fl = [f for f in flights.values() if f.tokens >= 1 and f.shadowed]
+        fl = [f for f in flights if f.tokens >= 1 and f.shadowed]
         if fl:
             outs = np.fromiter((f.tokens for f in fl), dtype=np.int64, count=len(fl))
             self.engine.observe_many([f.id for f in fl], outs)
