@@ -169,7 +169,8 @@ class Exchange:
         self.modes_known = False
         self.headers: dict[str, str] = {}
         self.body = bytearray()
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic()  # the request's arrival (its headers)
+        self.t_body = self.t0  # when its body's last byte came
         self.route = "other"
         self.decided = False
         self.endpoint: str | None = None
@@ -234,6 +235,7 @@ class Exchange:
             return self._error(ApiError(413, f"request body larger than {MAX_BODY} bytes",
                                         code="request_too_large"))
         self.body += b.body
+        self.t_body = time.monotonic()
         if not b.end_of_stream:
             return []  # (full duplex: nothing is answered before the body's end)
         return await self._decide(end=True)
@@ -297,7 +299,8 @@ class Exchange:
     def _dispatch(self, plan: Plan, choice: Choice, ctl: Controls, endpoint: str) -> None:
         gw = self.picker.gateway
         self.flight = gw.router.dispatch(plan, choice, 1)
-        gw.metrics.overhead.observe(time.monotonic() - self.t0)
+        # (the picker's own time: from the body's end, which the client's upload decides)
+        gw.metrics.overhead.observe(time.monotonic() - self.t_body)
         self.inst, self.plan, self.ctl, self.endpoint = choice.inst, plan, ctl, endpoint
         self.decided = True
 
