@@ -21,7 +21,7 @@ other load move these numbers: compare within one run. ``--floor`` measures the 
 trips against a do-nothing ext_proc server on the same stack (grpc.aio, one answer per phase,
 no routing): what gRPC in Python costs here before the picker does anything.
 
-    python benchmarks/epp_latency.py [--requests N] [--policy NAME] [--floor]
+    python benchmarks/epp_latency.py [--requests N] [--policy NAME] [--state-source S] [--floor]
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
 SPEED = 20
 
 
-def pool_yaml(policy: str, urls: list[str]) -> str:
+def pool_yaml(policy: str, urls: list[str], source: str) -> str:
     rows = "".join(f"  - {{name: {m}, model: {m}, profile: {m}, speed: {SPEED}, url: {u}}}\n"
                    for m, u in zip(MODELS, urls, strict=True))
-    return f"policy: {policy}\ninstances:\n{rows}"
+    return f"policy: {policy}\nstate: {{source: {source}}}\ninstances:\n{rows}"
 
 
 def start(cmd: list[str], marker: str) -> tuple[subprocess.Popen[str], str]:
@@ -199,6 +199,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000, help="timed requests of each kind")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--policy", default="sfs")
+    ap.add_argument("--state-source", default="auto",
+                    choices=["auto", "shadow", "published", "metrics"],
+                    help="the pool's state.source (auto: polls /snapshot every 50 ms for sfs; "
+                    "shadow: its own replicas only, no polls)")
     ap.add_argument("--floor", action="store_true",
                     help="measure a do-nothing ext_proc server instead of the picker")
     args = ap.parse_args()
@@ -218,7 +222,7 @@ def main() -> int:
                     procs.append(proc)
                     urls.append(line.split("listening on ", 1)[1].split()[0])
                 cfg = Path(tmp) / "pool.yaml"
-                cfg.write_text(pool_yaml(args.policy, urls))
+                cfg.write_text(pool_yaml(args.policy, urls, args.state_source))
                 with socket.socket() as sk:  # (a free port for its /metrics)
                     sk.bind(("127.0.0.1", 0))
                     metrics_port = sk.getsockname()[1]
@@ -234,7 +238,8 @@ def main() -> int:
         for proc in reversed(procs):  # (the picker first: no instance seems to die under it)
             proc.terminate()
             proc.wait(10)
-    what = "a do-nothing ext_proc server" if args.floor else f"duetime epp, policy {args.policy}"
+    what = ("a do-nothing ext_proc server" if args.floor else
+            f"duetime epp, policy {args.policy}, state.source {args.state_source}")
     print(f"{what}, {args.requests} sequential requests of each kind "
           "on loopback (ms)")
     print(f"{'round trip':<14} {'p50':>7} {'p90':>7} {'p99':>7}")
