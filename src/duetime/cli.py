@@ -5,7 +5,8 @@ Subcommands: ``forecast`` (TTFT / end-to-end forecast from a snapshot JSON), ``p
 ``forecast``), ``demo`` (forecasts on a busy instance for every profile); and, registered by
 their packages: ``simulate`` / ``experiment`` (``duetime.experiments.cli``), ``workload``
 (``duetime.workload.cli``), ``predict`` (``duetime.predict.cli``), ``emulate``
-(``duetime.emulator.cli``) and ``serve`` (``duetime.service.cli``).
+(``duetime.emulator.cli``), ``serve`` (``duetime.service.cli``) and ``epp``
+(``duetime.service.epp_cli``).
 
 Bad input (unreadable file, invalid JSON, invalid snapshot, invalid probe, bad arguments) is
 reported as one line ``duetime: error: ...`` on stderr with exit status 2, never a traceback.
@@ -254,7 +255,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 DESCRIPTION = """\
 duetime routes each LLM request to the model instance that gives the best answer
-in time: an OpenAI-compatible gateway (serve), emulated vLLM instances (emulate),
+in time: an OpenAI-compatible gateway (serve), an endpoint picker for Envoy and the
+Gateway API Inference Extension (epp), emulated vLLM instances (emulate),
 TTFT forecasts from instance snapshots (forecast), the cluster simulator and the
 papers' experiments (simulate, experiment), and request predictors (predict).
 """
@@ -373,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_emulator_commands(sub, command, CliError)
     from duetime.service.cli import add_commands as add_gateway_commands
     add_gateway_commands(sub, command, CliError)
+    from duetime.service.epp_cli import add_commands as add_epp_commands
+    add_epp_commands(sub, command, CliError)
     from duetime.calibrate.cli import add_commands as add_calibrate_commands
     from duetime.calibrate.cli import add_validate_command
     add_calibrate_commands(sub, command, CliError)

@@ -148,7 +148,7 @@ class Relay:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 # the bookkeeping of the first token after it is on its way to the client
-                self._first(inst, flight, t_first, t0, ctl)
+                self.first_token(inst, flight, t_first, t0, ctl)
                 async for out in self._relay(stream, buf, st, req, inst, flight, collect=False):
                     if out:
                         await send({"type": "http.response.body", "body": out,
@@ -160,7 +160,7 @@ class Relay:
                     await finish(resp)
                     finished = True
             else:
-                self._first(inst, flight, t_first, t0, ctl)
+                self.first_token(inst, flight, t_first, t0, ctl)
                 self._scan(events, st, req, collect=True, inst=inst, flight=flight)
                 async for _ in self._relay(stream, buf, st, req, inst, flight, collect=True):
                     pass
@@ -230,7 +230,7 @@ class Relay:
         inst.progress(flight, st.tokens)
         return b"".join(out)
 
-    def _first(self, inst: InstanceState, flight: Flight, t_first: float, t0: float,
+    def first_token(self, inst: InstanceState, flight: Flight, t_first: float, t0: float,
                ctl: Controls) -> None:
         """An attempt got its first token: the instance is healthy, the shadow replica learns
         when the request's prefill ended, and the metrics record TTFT and the forecast error."""

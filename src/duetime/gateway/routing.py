@@ -18,12 +18,14 @@ import logging
 import math
 import secrets
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from duetime.estimate.base import KeysByBlockSize
 from duetime.gateway.admission import PRIORITIES, AdmissionQueue, Shed
 from duetime.gateway.config import Pool
+from duetime.gateway.inflight import Flight
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.prompt_tokens import PromptTokenizer
@@ -56,6 +58,32 @@ def _milliseconds(scope: Scope, name: bytes) -> float | None:
     return ms
 
 
+@dataclass(slots=True)
+class Plan:
+    """One request as every attempt routes it (:meth:`Router.plan`)."""
+
+    rid: str
+    req: CompletionRequest
+    predicted: int  # output tokens predicted (the default, capped by max_tokens)
+    cap: int  # no predicted length past this (max_tokens; else none)
+    quality: dict | None
+    success: dict | None
+    lengths: dict | None
+    keys: KeysByBlockSize
+
+
+@dataclass(slots=True)
+class Choice:
+    """A routing decision (:meth:`Router.choose`): the instance, the policy's TTFT forecast
+    for it (if it made one), the TTFT target the policy saw, whether the choice fails open
+    (none of the candidates in rotation)."""
+
+    inst: InstanceState
+    forecast: float | None
+    target_s: float
+    failing_open: bool = False
+
+
 class Router:
     """Chooses instances for requests and runs the attempts (through the :class:`Relay`)."""
 
@@ -70,6 +98,8 @@ class Router:
         self.instances = instances
         self.metrics = metrics
         self.relay = relay
+        self.load = METRICS in self.consumes  # (load gauges fall back to the snapshot)
+        self.fresh = SNAPSHOT in self.consumes or self.load
         self.by_model: dict[str, list[InstanceState]] = {}
         for s in instances:
             self.by_model.setdefault(s.model, []).append(s)
@@ -239,13 +269,91 @@ class Router:
         rest = [s for s in insts if s.name not in tried] or insts
         return [min(rest, key=lambda s: s.health.badness())], True
 
+    # -- the decision (shared by the relay path and the endpoint picker) --------------------------
+
+    def plan(self, req: CompletionRequest, ctl: Controls) -> Plan:
+        """What every attempt of ``req`` shares: its id, predicted output length, the policy's
+        predictions and its prompt's block keys (computed per block size when asked)."""
+        pool = self.pool
+        predicted = (min(req.max_tokens, pool.default_output_tokens) if req.max_tokens
+                     else pool.default_output_tokens)
+        quality, success, lengths = self.predict(req, ctl)
+        return Plan(f"dt-{self._prefix}-{next(self._ids):x}", req, predicted,
+                    predicted if req.max_tokens else 1 << 30, quality, success, lengths,
+                    KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size)))
+
+    def choose(self, plan: Plan, ctl: Controls, cands: list[InstanceState],
+               t0: float) -> Choice:
+        """The policy's choice among ``cands`` now (their state brought to now first, for a
+        policy that reads it). Changes nothing but the replicas' clocks: no dispatch."""
+        now = time.monotonic()
+        if self.fresh:
+            for s in cands:
+                s.refresh(now)
+        quality, success, lengths = plan.quality, plan.success, plan.lengths
+        predicted = plan.predicted
+        rr = RoutingRequest(
+            plan.rid, plan.req.prompt_tokens,
+            None if quality is None else np.array([quality[c.model] for c in cands]),
+            np.array([predicted if lengths is None else
+                      max(1, min(plan.cap, round(lengths.get(c.model, predicted))))
+                      for c in cands]),
+            max(0.0, ctl.target_s - (now - t0)), ctl.task, ctl.session, ctl.attempted,
+            None if success is None else np.array([success[c.model] for c in cands]),
+            plan.keys)
+        decision = self.policy.choose(rr, [c.candidate for c in cands], now)
+        return Choice(cands[decision.index], decision.forecast, rr.ttft_target)
+
+    def exhausted(self, req: CompletionRequest, errors: list[str], rid: str) -> ApiError:
+        """No candidate left: 503 before any attempt, 502 after failed ones."""
+        what = ("any model" if req.model is None or req.model in self.pool.aliases
+                else f"model `{req.model}`")
+        if not errors:
+            return ApiError(503, f"no healthy instance serves {what}",
+                            code="no_healthy_instance")
+        return ApiError(502, f"upstream failed after {len(errors)} attempt(s) (request "
+                        f"{rid}: the gateway's log has each attempt's error)",
+                        code="upstream_failed")
+
+    async def pick(self, plan: Plan, ctl: Controls, insts: list[InstanceState],
+                   t0: float) -> Choice:
+        """The first attempt's instance: the policy's choice among those in rotation, admitted
+        by priority (:meth:`_admit`: may raise :class:`Shed`, or wait in the queue and choose
+        again); raises the 503 when none is in rotation. Dispatches nothing."""
+        waited = False
+        while True:
+            cands, failing_open = self.rotation(insts, set())
+            if not cands:
+                raise self.exhausted(plan.req, [], plan.rid)
+            choice = self.choose(plan, ctl, cands, t0)
+            choice.failing_open = failing_open
+            if await self._admit(choice.forecast, choice.target_s, ctl, waited):
+                return choice
+            waited = True  # (it waited for capacity: decide again)
+
+    def dispatch(self, plan: Plan, choice: Choice, attempt: int) -> Flight:
+        """Record the attempt on the chosen instance: counted in the metrics, joined to its
+        in-flight ledger and shadow replica (with its prompt's block keys when it caches)."""
+        inst = choice.inst
+        if attempt > 1:
+            self.metrics.retries.inc()
+        if choice.failing_open:
+            self.metrics.fail_open.labels(inst.name).inc()
+        self.metrics.decisions.labels(inst.name, inst.model).inc()
+        self.metrics.state_source.labels(inst.name, inst.source(self.load)).inc()
+        cfg = inst.instance.config
+        return inst.dispatch(f"{plan.rid}-{attempt}", plan.req.prompt_tokens, plan.predicted,
+                             time.monotonic(), choice.forecast,
+                             plan.keys(cfg.block_size) if cfg.enable_prefix_caching else None)
+
+    # -- choose and relay ---------------------------------------------------------------------------
+
     async def route(self, req: CompletionRequest, ctl: Controls, insts: list[InstanceState],
                     chat: bool, send: Send, t0: float) -> int:
         """Choose, attempt, retry; returns the status answered (raises ApiError for 502/503)."""
         pool = self.pool
-        rid = f"dt-{self._prefix}-{next(self._ids):x}"
-        predicted = (min(req.max_tokens, pool.default_output_tokens) if req.max_tokens
-                     else pool.default_output_tokens)
+        plan = self.plan(req, ctl)
+        rid = plan.rid
         body = dict(req.body)
         body["stream"] = True
         # usage is always asked for upstream (the gateway counts tokens with it); the client's
@@ -254,62 +362,24 @@ class Router:
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                   "include_usage": True}
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        quality, success, lengths = self.predict(req, ctl)
-        keys = KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size))
-        cap = predicted if req.max_tokens else 1 << 30
-        load = METRICS in self.consumes
-        fresh = SNAPSHOT in self.consumes or load  # (load gauges fall back to the snapshot)
         tried: set[str] = set()
         errors: list[str] = []
         attempt = 0
-        admitted = waited = False
         while True:
-            cands, failing_open = (self.rotation(insts, tried) if attempt <= pool.retries
-                                   else ([], False))
-            if not cands:
-                what = ("any model" if req.model is None or req.model in pool.aliases
-                        else f"model `{req.model}`")
-                if not errors:
-                    raise ApiError(503, f"no healthy instance serves {what}",
-                                   code="no_healthy_instance")
-                raise ApiError(502, f"upstream failed after {len(errors)} attempt(s) (request "
-                               f"{rid}: the gateway's log has each attempt's error)",
-                               code="upstream_failed")
-            now = time.monotonic()
-            if fresh:
-                for s in cands:
-                    s.refresh(now)
-            rr = RoutingRequest(
-                rid, req.prompt_tokens,
-                None if quality is None else np.array([quality[c.model] for c in cands]),
-                np.array([predicted if lengths is None else
-                          max(1, min(cap, round(lengths.get(c.model, predicted))))
-                          for c in cands]),
-                max(0.0, ctl.target_s - (now - t0)), ctl.task, ctl.session, ctl.attempted,
-                None if success is None else np.array([success[c.model] for c in cands]),
-                keys)
-            decision = self.policy.choose(rr, [c.candidate for c in cands], now)
-            if attempt == 0 and not admitted:
-                if await self._admit(decision.forecast, rr.ttft_target, ctl, waited):
-                    admitted = True
-                else:
-                    waited = True
-                    continue  # (it waited for capacity: decide again)
-            inst = cands[decision.index]
+            if attempt == 0:
+                choice = await self.pick(plan, ctl, insts, t0)
+            else:
+                cands, failing_open = (self.rotation(insts, tried) if attempt <= pool.retries
+                                       else ([], False))
+                if not cands:
+                    raise self.exhausted(req, errors, rid)
+                choice = self.choose(plan, ctl, cands, t0)
+                choice.failing_open = failing_open
+            inst = choice.inst
             tried.add(inst.name)
             attempt += 1
-            if attempt > 1:
-                self.metrics.retries.inc()
-            if failing_open:
-                self.metrics.fail_open.labels(inst.name).inc()
-            self.metrics.decisions.labels(inst.name, inst.model).inc()
-            self.metrics.state_source.labels(inst.name, inst.source(load)).inc()
             body["model"] = inst.instance.served_model
-            fid = f"{rid}-{attempt}"
-            cfg = inst.instance.config
-            flight = inst.dispatch(fid, req.prompt_tokens, predicted, time.monotonic(),
-                                   decision.forecast,
-                                   keys(cfg.block_size) if cfg.enable_prefix_caching else None)
+            flight = self.dispatch(plan, choice, attempt)
             if attempt == 1:
                 self.metrics.overhead.observe(time.monotonic() - t0)
             try:

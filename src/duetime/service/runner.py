@@ -48,23 +48,7 @@ class Service:
     async def start(self) -> Service:
         sock = bind(self.host, self.port)
         try:
-            urls = {}
-            for inst in self.pool.instances:
-                opts = self.options.get(inst.name)
-                if opts is None:
-                    continue
-                # the profile's own timing (the emulator applies its speed) with the
-                # instance's limits (its ``config:`` overrides included)
-                profile = load_profile(inst.profile)  # type: ignore[arg-type]
-                emu = opts.emulator(replace(profile, config=inst.config), inst.served_model)
-                token = secrets.token_urlsafe(32)
-                server = await AppServer(create_app(emu, admin_token=token), host="127.0.0.1",
-                                         port=0).start()
-                self.admin_tokens[inst.name] = token
-                self.emulators[inst.name] = emu
-                self.emulator_servers[inst.name] = server
-                urls[inst.name] = server.url
-            self.pool = self.pool.with_urls(urls)
+            await self.start_instances()
             self.gateway = Gateway(self.pool, host=self.host)
             self.server = AppServer(self.gateway.app(), host=self.host, sock=sock,
                                     graceful_timeout_s=self.drain_timeout_s,
@@ -75,6 +59,29 @@ class Service:
             await self._stop_emulators(force=True)
             raise
         return self
+
+    async def start_instances(self) -> Pool:
+        """Start the pool's emulated instances on loopback and fill in their URLs (the pool
+        with them is ``self.pool``, returned; ``duetime epp`` starts only these). On failure
+        the caller stops what started (:meth:`stop`)."""
+        urls = {}
+        for inst in self.pool.instances:
+            opts = self.options.get(inst.name)
+            if opts is None:
+                continue
+            # the profile's own timing (the emulator applies its speed) with the
+            # instance's limits (its ``config:`` overrides included)
+            profile = load_profile(inst.profile)  # type: ignore[arg-type]
+            emu = opts.emulator(replace(profile, config=inst.config), inst.served_model)
+            token = secrets.token_urlsafe(32)
+            server = await AppServer(create_app(emu, admin_token=token), host="127.0.0.1",
+                                     port=0).start()
+            self.admin_tokens[inst.name] = token
+            self.emulators[inst.name] = emu
+            self.emulator_servers[inst.name] = server
+            urls[inst.name] = server.url
+        self.pool = self.pool.with_urls(urls)
+        return self.pool
 
     async def stop(self, *, force: bool = False) -> int:
         """Returns how many requests were cut at the drain timeout (told so with an error)."""
