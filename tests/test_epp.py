@@ -12,27 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+import grpc  # (the test extra installs it: a missing grpcio fails here, it is not skipped)
 import httpx
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
 
-grpc = pytest.importorskip("grpc")
-pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
-
-from envoy.config.core.v3 import base_pb2  # noqa: E402
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc  # noqa: E402
-from google.protobuf import struct_pb2  # noqa: E402
-
-from duetime.gateway import pool_from_dict  # noqa: E402
-from duetime.gateway.extproc import CHUNK_BYTES  # noqa: E402
-from duetime.service import Service  # noqa: E402
-from duetime.service.epp import PickerService  # noqa: E402
+from duetime.gateway import pool_from_dict
+from duetime.gateway.extproc import CHUNK_BYTES
+from duetime.service import Service
+from duetime.service.epp import PickerService
 
 MODE = processing_mode_pb2.ProcessingMode
 PRICE = {"prompt": 0.1, "output": 0.3}
@@ -405,14 +403,57 @@ def test_grpc_health_checks():
     run(go())
 
 
-def test_cli_help_and_store_seam(capsys):
+def test_cli_help_and_store_option(capsys):
     from duetime.cli import main
+    from duetime.gateway.config import ConfigError
 
     assert main(["epp", "--help"]) == 0
     assert "x-gateway-destination-endpoint" in capsys.readouterr().out
-    from duetime.gateway.config import ConfigError
-    from duetime.service.epp import flight_store
+    pool = pool_from_dict(config(), "test")
+    assert pool.with_store("memory").state.store is None
+    assert pool.with_store("redis://127.0.0.1:1/0").state.store == "redis://127.0.0.1:1/0"
+    with pytest.raises(ConfigError, match="--store 'http://x'"):
+        pool.with_store("http://x")
+    assert main(["epp", "--config", "nope.yaml", "--store", "http://x"]) != 0
 
-    assert flight_store(None) is not None and flight_store("memory") is not None
-    with pytest.raises(ConfigError):
-        flight_store("redis://localhost:6379")
+
+def test_the_picker_and_a_gateway_replica_share_live_state(redis_server):
+    """A ``duetime serve`` replica sends eight long prompts to a; the picker, on the same
+    Redis, holds them in its replica of a and sends a 100 ms chat to b."""
+    n_long = 8
+
+    async def go():
+        cfg = config(state={"source": "shadow", "store": redis_server.url,
+                            "store_sync_s": 0.01})
+        cfg["instances"][0]["emulate"] = {"speed": 1.0}
+        async with picker(cfg) as (psvc, stub):
+            pool = dataclasses.replace(psvc.pool, instances=tuple(
+                dataclasses.replace(i, emulate=None) for i in psvc.pool.instances))
+            gw = await Service(pool).start()
+            try:
+                async with httpx.AsyncClient(base_url=gw.url, timeout=20) as c:
+                    long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2,
+                            "stream": True}
+
+                    async def send_long() -> None:
+                        async with c.stream("POST", "/v1/completions", json=long) as resp:
+                            async for _ in resp.aiter_bytes():
+                                pass
+
+                    tasks = [asyncio.create_task(send_long()) for _ in range(n_long)]
+                    a = psvc.gateway.instances[0]
+                    assert await wait_for(lambda: len(a.remote_flights) == n_long)
+                    call, out = await route(stub, json.dumps(chat()).encode(),
+                                            extra={"x-duetime-ttft-ms": "100"})
+                    still_busy = not any(t.done() for t in tasks)
+                    call.cancel()
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    assert still_busy, "premise: a's long prompts should outlast the choice"
+                    assert set_headers(out[0])[DEST] == endpoints(psvc)["b"]
+                    assert await wait_for(lambda: not a.remote_flights)
+            finally:
+                await gw.stop()
+
+    run(go(), 90.0)

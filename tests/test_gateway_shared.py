@@ -45,9 +45,10 @@ def test_a_replica_routes_around_load_another_replica_sent(redis_server: RedisSe
     async def go() -> dict[str, Any]:
         state = {"source": "shadow", "store": redis_server.url, "store_sync_s": 0.01}
         cfg = config(state=state, a={"emulate": {"speed": 1.0}})
-        async with service(pool_from_dict(cfg, "test")) as (sa, ca):
+        # (B and C need A's pool: its emulators' URLs)
+        async with service(pool_from_dict(cfg, "test")) as (sa, ca):  # noqa: SIM117
             async with service(without_emulators(sa.pool)) as (sb, cb), \
-                    service(without_emulators(sa.pool, store=None)) as (sc, cc):
+                    service(without_emulators(sa.pool, store=None)) as (_, cc):
                 long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2,
                         "stream": True}
 
@@ -93,7 +94,7 @@ def test_a_keys_rate_limit_holds_across_replicas(redis_server: RedisServer, tmp_
     async def go() -> list[int]:
         cfg = config(state={"store": redis_server.url},
                      auth=keys_files(tmp_path, rpm=3))
-        async with service(pool_from_dict(cfg, "test")) as (sa, ca):
+        async with service(pool_from_dict(cfg, "test")) as (sa, ca):  # noqa: SIM117
             async with service(without_emulators(sa.pool)) as (_, cb):
                 codes = []
                 for c in (ca, cb, ca, cb):

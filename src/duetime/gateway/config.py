@@ -292,6 +292,16 @@ class Pool:
         policy, checked = _policy({"name": name, **(params or {})}, self.source)
         return replace(self, policy=policy, policy_params=checked)
 
+    def with_store(self, url: str | None) -> Pool:
+        """The same pool sharing live state through ``url`` (a Redis URL; ``memory`` or None:
+        this process's only); raises ConfigError on another scheme."""
+        try:
+            state = StateSpec.model_validate({**self.state.model_dump(),
+                                              "store": None if url == "memory" else url})
+        except ValidationError as e:
+            raise ConfigError(f"--store {url!r}: {e.errors()[0]['msg']}") from None
+        return replace(self, state=state)
+
     def with_urls(self, urls: dict[str, str]) -> Pool:
         """The same pool with these instances' URLs set (embedded emulators once started)."""
         return replace(self, instances=tuple(replace(i, url=urls.get(i.name, i.url))

@@ -41,6 +41,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     try:
         pool = load_pool(args.config) if args.config else demo_pool(
             speed=args.speed, replicas=args.replicas)
+        if args.store is not None:
+            pool = pool.with_store(args.store)
     except ConfigError as e:
         raise error(str(e)) from None
     if args.policy or args.policy_param:
@@ -163,6 +165,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="demo pool only: emulated instances run X times faster (default 1)")
     p.add_argument("--replicas", type=positive_int, default=1, metavar="N",
                    help="N emulated instances of each model of the demo pool (default 1)")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="share live state with the other gateway replicas through Redis "
+                   "(redis://host:port/db; overrides the config's state.store; `memory`: "
+                   "this process only)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on Ctrl-C / SIGTERM wait at most S seconds for in-flight requests "
                    "(default 30; a second Ctrl-C forces); requests still open then are cut, "

@@ -12,22 +12,12 @@ from __future__ import annotations
 import logging
 
 from duetime.gateway.app import Gateway
-from duetime.gateway.config import ConfigError, Pool
-from duetime.gateway.inflight import FlightStore, MemoryStore
+from duetime.gateway.config import Pool
+from duetime.gateway.inflight import FlightStore
 from duetime.service.runner import Service
 from duetime.serving.server import AppServer
 
 log = logging.getLogger("duetime.gateway")
-
-
-def flight_store(url: str | None) -> FlightStore:
-    """The in-flight store a ``--store`` URL names. Only this process's memory for now: the
-    shared store (Redis) plugs in here when the gateway has one, so that the picker's replicas
-    and ``duetime serve`` replicas see each other's requests."""
-    if url is None or url == "memory":
-        return MemoryStore()
-    raise ConfigError(f"--store {url!r}: no shared in-flight store is available yet (only "
-                      "'memory')")
 
 
 class PickerService:

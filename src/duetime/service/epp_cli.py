@@ -16,7 +16,7 @@ GRACE_S = 5.0  # open Envoy streams get this long to finish on SIGTERM
 
 async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.service import ConfigError, load_pool
-    from duetime.service.epp import PickerService, flight_store
+    from duetime.service.epp import PickerService
     from duetime.serving.server import ServeError, shutdown_signals
 
     started = time.perf_counter()
@@ -27,7 +27,8 @@ async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
             params = dict(pool.policy_params) if name == pool.policy else {}
             params.update(dict(args.policy_param or ()))
             pool = pool.with_policy(name, params)
-        store = flight_store(args.store)
+        if args.store is not None:
+            pool = pool.with_store(args.store)
     except ConfigError as e:
         raise error(str(e)) from None
     tls = None
@@ -40,7 +41,7 @@ async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
             raise error(f"cannot read the TLS files: {e}") from None
     try:
         svc = PickerService(pool, host=args.host, port=args.port,
-                            metrics_port=args.metrics_port or None, store=store, tls=tls)
+                            metrics_port=args.metrics_port or None, tls=tls)
     except ConfigError as e:
         raise error(str(e)) from None
     stop = asyncio.Event()
@@ -98,8 +99,9 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="HTTP port of /metrics, /health and /duetime/instances (default 9090; "
                    "0 = none)")
     p.add_argument("--store", default=None, metavar="URL",
-                   help="where in-flight requests are kept (default: memory; a shared store "
-                   "is not available yet)")
+                   help="share live state with other pickers and gateway replicas through "
+                   "Redis (redis://host:port/db; overrides the config's state.store; `memory`: "
+                   "this process only)")
     p.add_argument("--policy", default=None, metavar="NAME",
                    help="override the config's policy (`duetime policies` lists them)")
     p.add_argument("--policy-param", type=key_value, action="append", default=None,
