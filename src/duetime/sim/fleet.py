@@ -23,7 +23,8 @@ stamped after the decision's time wait in the views until their time comes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,6 +36,35 @@ from duetime.sim.router_view import ADD, DONE, FIRST, Known, RouterView
 
 SHARING = ("independent", "shared")
 SPREADS = ("random", "round-robin")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSpec:
+    """How many routers, what their views know, how arrivals are spread over them."""
+
+    routers: int = 1
+    sharing: str = "shared"
+    staleness_s: float = 0.0
+    spread: str = "random"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.routers, int) or self.routers < 1:
+            raise ValueError(f"routers must be an integer >= 1, got {self.routers!r}")
+        check_fleet_options(self.sharing, self.staleness_s, self.spread)
+
+    def fleet(self, make: Callable[[int], Policy], seed: int = 0) -> RouterFleet:
+        """A fleet whose router k is ``make(k)``."""
+        return RouterFleet([make(k) for k in range(self.routers)], sharing=self.sharing,
+                           staleness_s=self.staleness_s, spread=self.spread, seed=seed)
+
+
+def check_fleet_options(sharing: str, staleness_s: float, spread: str) -> None:
+    if sharing not in SHARING:
+        raise ValueError(f"sharing: {' or '.join(SHARING)}, got {sharing!r}")
+    if spread not in SPREADS:
+        raise ValueError(f"spread: {' or '.join(SPREADS)}, got {spread!r}")
+    if not staleness_s >= 0:
+        raise ValueError(f"staleness must be >= 0 s, got {staleness_s!r}")
 
 
 class _Ledger:
@@ -69,12 +99,7 @@ class RouterFleet(Policy):
                  staleness_s: float = 0.0, spread: str = "random", seed: int = 0) -> None:
         if not routers:
             raise ValueError("a fleet needs at least one router")
-        if sharing not in SHARING:
-            raise ValueError(f"sharing: {' or '.join(SHARING)}, got {sharing!r}")
-        if spread not in SPREADS:
-            raise ValueError(f"spread: {' or '.join(SPREADS)}, got {spread!r}")
-        if not staleness_s >= 0:
-            raise ValueError(f"staleness_s must be >= 0, got {staleness_s!r}")
+        check_fleet_options(sharing, staleness_s, spread)
         super().__init__(seed=seed)
         self.routers = list(routers)
         self.sharing = sharing
