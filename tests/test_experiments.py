@@ -49,6 +49,14 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         assert summary["ttca_gain"]["laar_vs_load_aware"] > 0
     if name == "prefix":
         _check_prefix(out, rows, summary)
+    if name == "replicas":
+        for key in ("sfs_shared_vs_single", "sfs_independent_vs_single"):
+            assert _finite(summary[key]) and 0 < summary[key] < 2
+        # shared views keep more of one router's OnTimeUtility than independent ones
+        assert summary["sfs_shared_vs_single"] > summary["sfs_independent_vs_single"]
+        assert {r["router"] for r in rows} == {"sfs", "load-aware"}
+        assert {r["routers"] for r in rows} == {"1", "2", "4"}
+        assert set(summary["table"]["sfs"]["4"]) >= {"independent", "shared 0.1 s"}
     if name == "scale":
         sizes = {"3", "30", "90"}
         for load in ("0.7", "0.9"):

@@ -610,6 +610,23 @@ class Engine:
         self._changed()
         return True
 
+    def end(self, request_id: str, output_tokens: int) -> bool:
+        """The request really ended with ``output_tokens`` tokens (a replica told so by the
+        instance): with asynchronous scheduling, if its tokens in flight reach that count it
+        stops as the instance's did (left out of the next step's schedule, its blocks freed
+        after it); otherwise it is aborted now. Returns False if unknown or already over."""
+        r = self._rows.get(request_id)
+        if r is None or self._req[r, kn.DONE]:
+            return False
+        req = self._req
+        pend = int(req[r, kn.PEND])
+        if self.config.async_scheduling and pend > 0 and (
+                int(req[r, kn.OUTPUT]) + pend == output_tokens):
+            req[r, kn.STOP] = output_tokens
+            self._changed()
+            return True
+        return self.abort(request_id)
+
     def observe(self, request_id: str, output_tokens: int) -> bool:
         """The request has really produced ``output_tokens`` (>= 1) tokens: its prefill is done
         and it decodes from there. A waiting request is moved to the tail of the running order

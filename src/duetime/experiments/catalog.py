@@ -1,5 +1,5 @@
 """The papers' experiments as named, reproducible runs (SFS: demo .. estimators; LAAR: ttca;
-prefix caching: prefix).
+prefix caching: prefix; scale; several routers: replicas).
 
 Each writes ``results.csv`` (one row per router x setting), ``summary.json`` (headline
 numbers), PNG plots and ``report.md`` into its output folder. ``quick`` shrinks the runs (fewer
@@ -596,10 +596,18 @@ def scale(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
     return Outcome(*run_scale(out, quick, seed, log))
 
 
+def replicas(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+    """The cost of being many: N routers over one pool, each with its own view
+    (:mod:`duetime.experiments.replicas`)."""
+    from duetime.experiments.replicas import run_replicas
+
+    return Outcome(*run_replicas(out, quick, seed, log))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
-    "prefix": prefix, "scale": scale}
+    "prefix": prefix, "scale": scale, "replicas": replicas}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,

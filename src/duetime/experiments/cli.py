@@ -17,6 +17,7 @@ from duetime.experiments.runner import Point, Runner
 from duetime.policy import PolicyError, check_params, policy_names
 from duetime.sim import SimResult
 from duetime.sim.cache_view import CACHE_VIEWS
+from duetime.sim.fleet import SHARING, SPREADS, FleetSpec
 from duetime.workload import (
     ProfileError,
     RequestSet,
@@ -99,6 +100,7 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
         raise error("--rate must be > 0 and --requests >= 1")
     args.rate = args.rate or 1.0
     args.requests = args.requests or 1
+    fleet = _fleet(args, profile, error)
     runner = Runner(profile, seed=args.seed, noise=args.noise,
                     length_error=args.length_error, quality=args.quality,
                     charge_overhead=args.charge_overhead, prefix_caching=args.prefix_caching,
@@ -108,7 +110,7 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     except PolicyError as e:
         raise error(str(e).replace("--policy-param.", "--policy-param ")) from None
     point = Point(args.policy, args.rate, args.requests, args.arrivals, delta=args.delta,
-                  params=tuple(params.items()))
+                  params=tuple(params.items()), fleet=fleet)
     rng = np.random.default_rng(args.seed)
     try:
         if args.trace:
@@ -128,6 +130,8 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
                                    realtime_factor=row["simulated_s"] / row["wall_s"])
     cols = ["router", "rate", "requests", "mean_ttft_s", "p95_ttft_s", "on_time", "utility",
             "ontime_utility", "wall_s", "simulated_s"]
+    if fleet is not None:
+        cols[1:1] = ["routers", "router_view", "staleness_s", "view_share"]
     per_instance = res.instance_cache_hit_rate
     if per_instance is not None:  # some instance caches prefixes
         summary["cache_view"] = args.cache_view
@@ -138,6 +142,28 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     rp.write_json(out / "summary.json", summary)
     print(rp.md_table([row], cols), end="")
     return 0
+
+
+def _fleet(args: argparse.Namespace, profile: WorkloadProfile,
+           error: type[Exception]) -> FleetSpec | None:
+    """``--routers`` and its options as a fleet (None: one router reading the true state)."""
+    if args.routers is None:
+        for flag, value in (("--router-view", args.router_view), ("--staleness", args.staleness),
+                            ("--router-spread", args.router_spread)):
+            if value is not None:
+                raise error(f"{flag} needs --routers N")
+        return None
+    view = args.router_view or "shared"
+    if args.staleness is not None and view != "shared":
+        raise error("--staleness applies to --router-view shared only")
+    if args.staleness is not None and not 0 <= args.staleness < float("inf"):
+        raise error(f"--staleness must be a number of seconds >= 0, got {args.staleness:g}")
+    if args.clients is not None:
+        raise error("--routers runs an open loop: drop --clients")
+    caching = [m for m, spec in profile.models.items() if spec.config.enable_prefix_caching]
+    if args.prefix_caching or (caching and args.prefix_caching is None):
+        raise error("--routers does not model prefix caching yet: add --no-prefix-caching")
+    return FleetSpec(args.routers, view, args.staleness or 0.0, args.router_spread or "random")
 
 
 def _prefix_stream(kind: str, profile: WorkloadProfile, point: Point,
@@ -242,6 +268,19 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="what cache-aware routers (prefix-load, cache-aware) know of a caching "
                    "instance's cache: precise (its own, as vLLM's KV events give it; default) "
                    "or estimated (learnt from the router's own decisions)")
+    p.add_argument("--routers", type=positive_int, default=None, metavar="N",
+                   help="N router replicas, arrivals spread over them, each routing from its own "
+                   "shadow engine of every instance fed with what it knows (default: one router "
+                   "reading the instances' true state)")
+    p.add_argument("--router-view", choices=SHARING, default=None,
+                   help="with --routers: what a router's views know: independent (its own "
+                   "dispatches only) or shared (everyone's, --staleness seconds late; default)")
+    p.add_argument("--staleness", type=float, default=None, metavar="S",
+                   help="with --router-view shared: seconds before a router learns of another's "
+                   "dispatches, first tokens and ends (default 0)")
+    p.add_argument("--router-spread", choices=SPREADS, default=None,
+                   help="with --routers: how arrivals are spread over the routers (default "
+                   "random)")
     p.add_argument("--charge-overhead", action="store_true",
                    help="delay each request by the measured routing time")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")

@@ -11,8 +11,9 @@ import numpy as np
 
 from duetime.estimate import Estimator
 from duetime.metrics import summarize
-from duetime.policy import make_policy
+from duetime.policy import Policy, make_policy
 from duetime.sim import ClusterSim, SimResult
+from duetime.sim.fleet import FleetSpec, RouterFleet
 from duetime.workload import RequestSet, WorkloadProfile, make_arrivals, sample_requests
 
 
@@ -29,6 +30,7 @@ class Point:
     label: str = ""            # shown instead of the router name (e.g. "sfs-soft d=1e-6")
     extra: tuple[tuple[str, Any], ...] = ()
     params: tuple[tuple[str, Any], ...] = ()  # the policy's own parameters (registry names)
+    fleet: FleetSpec | None = None  # several routers, each with its own view (sim.fleet)
 
     @property
     def name(self) -> str:
@@ -68,8 +70,11 @@ class Runner:
 
     def run(self, p: Point, shadow: tuple[Estimator, ...] = (),
             closed_loop: int | None = None) -> tuple[dict[str, Any], SimResult]:
-        policy = make_policy(p.router, dict(p.params), defaults={
-            "lambda": self.profile.lam, "seed": self.seed, "delta": p.delta})
+        def policy_for(k: int = 0) -> Policy:  # router k of a fleet: its own tie-breaks
+            return make_policy(p.router, dict(p.params), defaults={
+                "lambda": self.profile.lam, "seed": self.seed + k, "delta": p.delta})
+
+        policy = policy_for() if p.fleet is None else p.fleet.fleet(policy_for, self.seed)
         sim = ClusterSim(self.profile, policy, noise=self.noise,
                          length_error=self.length_error, quality=self.quality, seed=self.seed,
                          charge_overhead=self.charge_overhead, shadow_estimators=shadow,
@@ -83,6 +88,9 @@ class Runner:
             row["delta"] = p.delta
         row.update(dict(p.params))
         row.update(dict(p.extra))
+        if isinstance(policy, RouterFleet):
+            row.update(routers=policy.n, router_view=policy.sharing,
+                       staleness_s=policy.staleness_s, view_share=policy.seen_share())
         row.update(summarize(res))
         row["wall_s"] = res.wall_s
         row["simulated_s"] = res.simulated_s
