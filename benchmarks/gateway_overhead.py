@@ -26,6 +26,10 @@ process, what the gateway's exact prompt tokens cost per request (the chat templ
 with jinja2, the text encoded, the block keys chained) against the estimate, for a short chat
 and a long conversation.
 
+``--redis`` adds a duetime gateway sharing its state through a real Redis (``--store``; a
+``redis-server`` on a free loopback port, and a second replica on the same store that gets no
+traffic, so that the measured one has a peer): the cost of the shared store on the hot path.
+
 ``--also before=../base/.venv/bin/python`` adds another duetime gateway, run by that
 interpreter (another checkout's virtual environment), as one more path of the same run: the
 way to compare two versions of duetime side by side.
@@ -37,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -274,6 +279,9 @@ def main() -> None:
                     "(default: .cache/vllm-models/tiny-small if built)")
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="only the tokenizer's cost (no servers)")
+    ap.add_argument("--redis", action="store_true",
+                    help="add a duetime gateway that shares its state through a real Redis "
+                    "(redis-server on PATH)")
     args = ap.parse_args()
     folder = args.tokenizer
     if folder is None and (REPO / ".cache/vllm-models/tiny-small/tokenizer.json").is_file():
@@ -304,6 +312,22 @@ def main() -> None:
             gw, gateway = _start_duetime(["serve", "--config", str(cfg)])
             procs.append(gw)
             paths = [Path_("direct", direct, None), Path_("duetime", gateway, gw.pid)]
+            if args.redis:
+                exe = shutil.which("redis-server")
+                if exe is None:
+                    raise SystemExit("gateway_overhead: --redis: no redis-server "
+                                     "(bash scripts/system_deps.sh)")
+                rport = _free_port()
+                procs.append(subprocess.Popen(  # type: ignore[arg-type]
+                    [exe, "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL))
+                time.sleep(0.5)
+                store = ["--store", f"redis://127.0.0.1:{rport}/0"]
+                shared, surl = _start_duetime(["serve", "--config", str(cfg), *store])
+                peer, _ = _start_duetime(["serve", "--config", str(cfg), *store])
+                procs += [shared, peer]
+                paths.append(Path_("duetime+redis", surl, shared.pid))
             for name, python in also:
                 other, url = _start_duetime(["serve", "--config", str(cfg)], python)
                 procs.append(other)

@@ -96,9 +96,12 @@ def test_nothing_changed_reads_nothing_and_a_closed_replica_is_forgotten_at_once
         await b.sync()
         await b.sync()  # (a's version did not move: nothing read, nothing told)
         assert rec.events == [("dispatch", "a/r1")]
-        await a.close()  # (deletes its hash and leaves the set of replicas)
+        await a.close()  # (its flights rewritten as none; it leaves the set of replicas)
         await b.sync()
-        assert rec.events[-1] == ("end", "a/r1") and b.peers() == []
+        assert rec.events[-1] == ("end", "a/r1")
+        await asyncio.sleep(b.sync_s)  # (the set of replicas is read at b's heartbeat)
+        await b.sync()
+        assert b.peers() == []
         await b.close()
     asyncio.run(go())
 

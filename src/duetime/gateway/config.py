@@ -144,7 +144,9 @@ class StateSpec(_Strict):
     # where gateway replicas share live state (duetime.gateway.store_redis): a redis:// (or
     # rediss://, unix://) URL; unset: this process's memory only
     store: str | None = None
-    store_sync_s: float = Field(0.02, gt=0, le=10)  # how often a replica syncs with the store
+    # a replica syncs with the store at each dispatch, first token and end (its own or, told
+    # by Redis pub/sub, another's), and at least this often (token counts, its heartbeat)
+    store_sync_s: float = Field(0.05, gt=0, le=10)
     store_ttl_s: float = Field(5.0, gt=0, le=3600)  # a silent replica's state expires after this
     store_prefix: str = Field("duetime", min_length=1, max_length=64, pattern=r"^[\w.:-]+$")
 

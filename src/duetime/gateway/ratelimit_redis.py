@@ -72,7 +72,8 @@ class RedisLimitStore:
         args: list[str | int | float] = ["1" if charge else "0"]
         for d in draws:
             args += [d.per_minute, d.cost]
-        return await asyncio.wait_for(self._script(keys=keys, args=args), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            return await self._script(keys=keys, args=args)
 
     async def acquire(self, draws: Sequence[Draw], now: float) -> tuple[bool, list[Level]]:
         if self.conn.up is False:  # (the sync retries Redis; until then, this replica's own)

@@ -9,15 +9,21 @@ gossip; AIBrix and LiteLLM: Redis keys with TTLs); duetime shares through Redis.
 :class:`RedisFlightStore` is a :class:`~duetime.gateway.inflight.FlightStore`. The hot path never
 waits on Redis: this replica's flights live in its memory (a
 :class:`~duetime.gateway.inflight.MemoryStore`) and their changes go to an outbox; a background
-task syncs every ``sync_s`` in two pipelined round trips:
+task syncs in two pipelined round trips:
 
 1. write the outbox (one hash per replica, ``{prefix}:flights:{replica}``, a field per flight,
-   ``{instance}\\x1f{flight id}`` → ``[prompt tokens, predicted output, dispatched, first
-   token, tokens, block keys]`` with wall-clock times), bump the replica's version, renew both
-   keys' TTL (``ttl_s``: a dead replica's flights expire), stamp the replica in the
-   ``{prefix}:replicas`` sorted set, drop replicas silent for ``ttl_s``, read the live ones
-   and the known ones' versions;
+   ``{instance}\x1f{flight id}`` → ``[prompt tokens, predicted output, dispatched, first
+   token, tokens, block keys]`` with wall-clock times), bump the replica's version and publish
+   a notice (``{prefix}:notices``), renew both keys' TTL (``ttl_s``: a dead replica's flights
+   expire), stamp the replica in the ``{prefix}:replicas`` sorted set, drop replicas silent
+   for ``ttl_s``, read the live ones and the known ones' versions;
 2. read the flights of each replica whose version moved (``HGETALL``).
+
+A sync runs as soon as something happens — a dispatch, first token or end here, or a peer's
+notice — but at most every ``MIN_GAP_S``, and at least every ``sync_s`` (token counts ride on
+the periodic one). Why push, not only poll: at a TTFT of 50–150 ms a request another replica
+dispatched 20 ms ago matters, and a 20 ms poll left it out (measured with
+``benchmarks/replicas_live.py``: the shared store did no better than independent replicas).
 
 The other replicas' flights are mirrored as :class:`Flight` objects (ids ``{replica}/{id}``)
 and each change is handed to the instance's :class:`RemoteListener` (the gateway's
@@ -38,8 +44,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Mapping
@@ -47,7 +55,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from duetime.gateway.inflight import Flight, MemoryStore
 from duetime.gateway.metrics import GatewayMetrics
@@ -55,8 +63,56 @@ from duetime.gateway.metrics import GatewayMetrics
 log = logging.getLogger("duetime.gateway")
 
 RETRY_S = 0.5  # how often a replica tries Redis again while it is down
+MIN_GAP_S = 0.002  # the least time between two syncs of a replica
 SEP = "\x1f"   # between an instance's name and a flight's id in a hash field
 FAILURES = (RedisError, OSError, asyncio.TimeoutError)
+
+
+# One replica's write, atomic: its changed flights into its hash (all of them, after a DEL, when
+# it writes everything), the change itself appended to its stream of changes with its new
+# version and a notice published (when anything changed), every key's TTL renewed, its
+# heartbeat stamped, replicas silent for the TTL dropped; returns the live replicas.
+# KEYS: hash, version, changes (stream), replicas (sorted set). ARGV: replica, wall-clock
+# time, TTL (ms), notices channel, the change as JSON ("full": all rewritten; "": nothing
+# changed), how many fields are set, then field/value pairs, then the fields deleted.
+WRITE = """
+local hash, ver, changes, zset = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local ttl, delta, nset = tonumber(ARGV[3]), ARGV[5], tonumber(ARGV[6])
+if delta == 'full' then redis.call('DEL', hash) end
+local i = 7
+while nset > 0 do
+  local n = math.min(nset, 500)
+  redis.call('HSET', hash, unpack(ARGV, i, i + 2 * n - 1))
+  i = i + 2 * n
+  nset = nset - n
+end
+while i <= #ARGV do
+  local j = math.min(#ARGV, i + 999)
+  redis.call('HDEL', hash, unpack(ARGV, i, j))
+  i = j + 1
+end
+if delta ~= '' then
+  local v = redis.call('INCR', ver)
+  redis.call('XADD', changes, 'MAXLEN', '~', 1000, '*', 'v', v, 'd', delta)
+  redis.call('PUBLISH', ARGV[4], ARGV[1])
+end
+redis.call('PEXPIRE', hash, ttl)
+redis.call('PEXPIRE', ver, ttl)
+redis.call('PEXPIRE', changes, ttl)
+local wall = tonumber(ARGV[2])
+redis.call('ZADD', zset, ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', zset, '-inf', wall - ttl / 1000)
+return redis.call('ZRANGE', zset, 0, -1)
+"""
+
+
+def _still_running() -> None:
+    """Raise CancelledError if this task was cancelled: redis-py may swallow a cancel that
+    meets a command under way (or turn it into a connection error), and the sync loops would
+    then run on forever after close()."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class RemoteListener(Protocol):
@@ -130,7 +186,7 @@ class RedisFlightStore:
     """This replica's flights in memory, shared through Redis; the other replicas' mirrored.
     ``replica``: this replica's id (random unless given)."""
 
-    def __init__(self, conn: RedisConnection, *, sync_s: float = 0.02, ttl_s: float = 5.0,
+    def __init__(self, conn: RedisConnection, *, sync_s: float = 0.05, ttl_s: float = 5.0,
                  replica: str | None = None) -> None:
         self.conn = conn
         self.replica = replica or uuid.uuid4().hex[:12]
@@ -141,9 +197,15 @@ class RedisFlightStore:
         self._full = True  # write the whole local state at the next sync
         self._remote: dict[str, dict[str, Flight]] = {}  # instance -> mirrored id -> flight
         self._fields: dict[str, dict[str, str]] = {}  # peer -> its hash as last read
-        self._versions: dict[str, str | None] = {}  # peer -> its version as last read
+        # peer -> (id of its last change read, its version then)
+        self._cursors: dict[str, tuple[str, int]] = {}
+        self._resync: set[str] = set()  # peers to read whole at the next sync
+        self._sha: str | None = None  # the write script's, once loaded
+        self._beat = -math.inf  # when this replica last wrote (its heartbeat)
         self._listeners: dict[str, RemoteListener] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._firsts: set[str] = set()  # own flights whose first token went to the outbox
+        self._wake = asyncio.Event()  # (created unbound: it binds to the loop at first wait)
+        self._tasks: list[asyncio.Task[None]] = []
         self.syncs = 0  # completed syncs (tests wait on it)
 
     # -- FlightStore ------------------------------------------------------------------------------
@@ -151,14 +213,20 @@ class RedisFlightStore:
     def add(self, instance: str, flight: Flight) -> None:
         self.local.add(instance, flight)
         self._outbox[(instance, flight.id)] = flight
+        self._wake.set()
 
     def update(self, instance: str, flight: Flight) -> None:
         self._outbox[(instance, flight.id)] = flight
+        if flight.first_token is not None and flight.id not in self._firsts:
+            self._firsts.add(flight.id)
+            self._wake.set()  # (a first token goes out at once; token counts at the period)
 
     def remove(self, instance: str, flight_id: str, t: float) -> Flight | None:
         f = self.local.remove(instance, flight_id, t)
         if f is not None:
             self._outbox[(instance, flight_id)] = None
+            self._firsts.discard(flight_id)
+            self._wake.set()
         return f
 
     def flights(self, instance: str) -> Mapping[str, Flight]:
@@ -185,32 +253,46 @@ class RedisFlightStore:
     async def start(self, metrics: GatewayMetrics | None = None) -> None:
         if metrics is not None:
             self.conn.metrics = metrics
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="duetime-store-sync")
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._run(), name="duetime-store-sync"),
+                           asyncio.create_task(self._notices(), name="duetime-store-notices")]
 
     async def close(self) -> None:
         """Stop syncing; tell the peers this replica's flights are gone (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self.conn.up:
+                await t
+        self._tasks = []
+        if self.conn.up and self._sha is not None:
+            # (a last change: everything rewritten as nothing; peers read the empty hash and
+            # end every flight of this replica at once, not at the TTL)
             c = self.conn
             with contextlib.suppress(*FAILURES):
                 pipe = c.client.pipeline(transaction=False)
-                pipe.delete(c.key("flights", self.replica), c.key("version", self.replica))
+                pipe.evalsha(self._sha, 4, c.key("flights", self.replica),
+                             c.key("version", self.replica), c.key("changes", self.replica),
+                             c.key("replicas"), self.replica, f"{time.time():.6f}",
+                             max(1, int(self.ttl_s * 1000)), c.key("notices"), "full", 0)
                 pipe.zrem(c.key("replicas"), self.replica)
-                await asyncio.wait_for(pipe.execute(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await pipe.execute()
         await self.conn.close()
 
     async def _run(self) -> None:
+        """Sync when something happened (a dispatch, first token or end here, a peer's
+        notice), at most every ``MIN_GAP_S``, and at least every ``sync_s`` (token counts,
+        the replica's heartbeat)."""
         m = self.conn.metrics
         while True:
+            _still_running()
             t0 = time.perf_counter()
+            self._wake.clear()
             try:
                 await self.sync()
             except FAILURES as e:
+                _still_running()
                 self.conn.failed("sync", e)
                 self._forget_peers()
                 self._full = True
@@ -219,70 +301,92 @@ class RedisFlightStore:
             dt = time.perf_counter() - t0
             if m is not None:
                 m.store_sync.observe(dt)
-            await asyncio.sleep(max(0.0, self.sync_s - dt))
+            await asyncio.sleep(max(0.0, MIN_GAP_S - dt))
+            # (asyncio.timeout, not wait_for: on 3.11 a cancel that meets wait_for's timeout
+            # becomes a TimeoutError, and the task would sync on after close() cancelled it)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, self.sync_s - (time.perf_counter() - t0))):
+                    await self._wake.wait()
+
+    async def _notices(self) -> None:
+        """Peers publish a notice with each write: wake the sync to read them at once."""
+        channel = self.conn.key("notices")
+        while True:
+            _still_running()
+            pubsub = self.conn.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for msg in pubsub.listen():
+                    peer = msg.get("data")
+                    if peer != self.replica:
+                        if isinstance(peer, str) and peer not in self._cursors:
+                            self._resync.add(peer)  # (a new replica: read it whole)
+                        self._wake.set()
+            except FAILURES:  # (the sync notices and logs; this retries quietly)
+                _still_running()
+            finally:
+                with contextlib.suppress(*FAILURES):
+                    await pubsub.aclose()
+            await asyncio.sleep(RETRY_S)
 
     async def sync(self) -> None:
-        """One sync: write this replica's changes, read the peers' (two round trips)."""
+        """One sync: write this replica's changes (when it has any, or its heartbeat is due)
+        and read the peers' new changes, in one round trip; a second one only for peers to
+        read whole (new ones, or ones whose changes were trimmed before this replica read
+        them)."""
         c = self.conn
         wall, mono = time.time(), time.monotonic()
         to_wall = wall - mono
-        own, version = c.key("flights", self.replica), c.key("version", self.replica)
-        if self._full:
+        full = self._full
+        if full:
             outbox: Mapping[tuple[str, str], Flight | None] = {
                 (inst, fid): f for inst in self.local.instances()
                 for fid, f in self.local.flights(inst).items()}
         else:
             outbox = self._outbox
-        self._outbox = {}
-        full, self._full = self._full, False
+        write = full or bool(outbox) or mono - self._beat >= self.sync_s
+        self._outbox, self._full = {}, False
         try:
-            sets = {f"{inst}{SEP}{fid}": _pack(f, to_wall)
-                    for (inst, fid), f in outbox.items() if f is not None}
-            dels = [f"{inst}{SEP}{fid}" for (inst, fid), f in outbox.items() if f is None]
+            if self._sha is None:
+                self._sha = await c.client.script_load(WRITE)
             pipe = c.client.pipeline(transaction=False)
-            if full:
-                pipe.delete(own)
-            if sets:
-                pipe.hset(own, mapping=sets)
-            if dels:
-                pipe.hdel(own, *dels)
-            if full or sets or dels:
-                pipe.incr(version)
-            ttl_ms = max(1, int(self.ttl_s * 1000))
-            pipe.pexpire(own, ttl_ms)
-            pipe.pexpire(version, ttl_ms)
-            replicas = c.key("replicas")
-            pipe.zadd(replicas, {self.replica: wall})
-            pipe.zremrangebyscore(replicas, "-inf", wall - self.ttl_s)
-            pipe.zrange(replicas, 0, -1)
-            known = list(self._versions)
-            if known:
-                pipe.mget([c.key("version", r) for r in known])
-            res = await pipe.execute()
+            if write:
+                sets = {f"{inst}{SEP}{fid}": _pack(f, to_wall)
+                        for (inst, fid), f in outbox.items() if f is not None}
+                dels = [f"{inst}{SEP}{fid}" for (inst, fid), f in outbox.items() if f is None]
+                delta = ("full" if full else json.dumps({"s": sets, "d": dels},
+                                                        separators=(",", ":"))
+                         if sets or dels else "")
+                pipe.evalsha(self._sha, 4, c.key("flights", self.replica),
+                             c.key("version", self.replica), c.key("changes", self.replica),
+                             c.key("replicas"), self.replica, f"{wall:.6f}",
+                             max(1, int(self.ttl_s * 1000)), c.key("notices"), delta,
+                             len(sets), *itertools.chain.from_iterable(sets.items()), *dels)
+            cursors = {c.key("changes", r): cur[0] for r, cur in self._cursors.items()
+                       if r not in self._resync}
+            if cursors:
+                pipe.xread(cursors)
+            res = await pipe.execute() if (write or cursors) else []
+        except NoScriptError:  # (Redis restarted: load the script again, write everything)
+            self._sha = None
+            self._full = True
+            return
         except BaseException:
             self._full = True  # (whatever was written, the next sync writes everything)
             raise
-        live = [r for r in (res[-2] if known else res[-1]) if r != self.replica]
-        seen = dict(zip(known, res[-1], strict=True)) if known else {}
-        stale = [r for r in live if r not in seen or seen[r] != self._versions.get(r)
-                 or seen[r] is None]
-        fetched: dict[str, dict[str, str]] = {}
-        if stale:
-            pipe = c.client.pipeline(transaction=False)
-            for r in stale:
-                pipe.hgetall(c.key("flights", r))
-                pipe.get(c.key("version", r))
-            res = await pipe.execute()
-            for i, r in enumerate(stale):
-                fetched[r] = res[2 * i]
-                self._versions[r] = res[2 * i + 1]
         now = time.monotonic()
-        for r in [r for r in self._fields if r not in live]:
-            self._apply(r, {}, now, wall - now)
-            del self._fields[r]
-            self._versions.pop(r, None)
-        for r, fields in fetched.items():
-            self._apply(r, fields, now, wall - mono)
+        if write:
+            self._beat = mono
+            live = {r for r in res[0] if r != self.replica}
+            for r in [r for r in self._fields if r not in live]:
+                self._apply(r, {}, now, to_wall)
+                del self._fields[r]
+                self._cursors.pop(r, None)
+            self._resync |= {r for r in live if r not in self._cursors}
+        for stream, entries in (res[-1] if cursors else []):
+            self._read(stream.rsplit(":", 1)[1], entries, now, to_wall)
+        if self._resync:
+            await self._read_whole(sorted(self._resync), now, to_wall)
         m = c.metrics
         if m is not None:
             for inst, fl in self._remote.items():
@@ -290,46 +394,94 @@ class RedisFlightStore:
         self.syncs += 1
         c.ok()
 
+    def _read(self, peer: str, entries: list[tuple[str, dict[str, str]]], now: float,
+              to_wall: float) -> None:
+        """A peer's changes, in order; a gap in its versions (changes trimmed before they were
+        read) or a whole rewrite sends it to be read whole."""
+        cur = self._cursors.get(peer)
+        if cur is None:
+            return
+        sid, version = cur
+        fields = self._fields.setdefault(peer, {})
+        for eid, entry in entries:
+            v = int(entry.get("v", -1))
+            delta = entry.get("d", "")
+            if v != version + 1 or delta == "full":
+                self._resync.add(peer)
+                return
+            try:
+                change = json.loads(delta)
+            except ValueError:
+                self._resync.add(peer)
+                return
+            for key in change.get("d", ()):
+                fields.pop(key, None)
+                self._ended(peer, key, now)
+            for key, raw in change.get("s", {}).items():
+                fields[key] = raw
+                self._changed(peer, key, raw, now, to_wall)
+            sid, version = eid, v
+            self._cursors[peer] = (sid, version)
+
+    async def _read_whole(self, peers: list[str], now: float, to_wall: float) -> None:
+        """Read peers whole: their flights, their version and where their changes stand, each
+        atomically (MULTI), then the changes from there on."""
+        c = self.conn
+        pipe = c.client.pipeline(transaction=True)
+        for r in peers:
+            pipe.hgetall(c.key("flights", r))
+            pipe.get(c.key("version", r))
+            pipe.xrevrange(c.key("changes", r), count=1)
+        res = await pipe.execute()
+        for i, r in enumerate(peers):
+            fields, version, last = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+            self._apply(r, fields, now, to_wall)
+            self._cursors[r] = (last[0][0] if last else "0-0", int(version or 0))
+            self._resync.discard(r)
+
     def _apply(self, peer: str, fields: dict[str, str], now: float, to_wall: float) -> None:
         """The peer's flights are now ``fields``: hand every change to the listeners."""
         old = self._fields.get(peer, {})
         self._fields[peer] = fields
-        m = self.conn.metrics
-        wall_now = now + to_wall
         for key in old.keys() - fields.keys():
-            inst, _, fid = key.partition(SEP)
-            f = self._remote.get(inst, {}).pop(f"{peer}/{fid}", None)
-            if f is not None and (lst := self._listeners.get(inst)) is not None:
-                lst.remote_end(f, now)
+            self._ended(peer, key, now)
         for key, raw in fields.items():
-            if old.get(key) == raw:
-                continue
-            inst, _, fid = key.partition(SEP)
-            mid = f"{peer}/{fid}"
-            try:
-                new = _unpack(mid, raw, to_wall)
-            except (ValueError, TypeError) as e:  # (a peer of another version, or garbage)
-                log.debug("unreadable flight in the store", extra={"fields": {
-                    "peer": peer, "field": key[:100], "error": str(e)[:100]}})
-                continue
-            mirror = self._remote.setdefault(inst, {})
-            lst = self._listeners.get(inst)
-            f = mirror.get(mid)
-            if f is None:
-                mirror[mid] = new
-                if m is not None:
-                    m.store_staleness.observe(max(0.0, wall_now - (new.dispatched + to_wall)))
-                if lst is not None:
-                    lst.remote_dispatch(new, now)
-                f = new
-                if new.first_token is not None and lst is not None:
+            if old.get(key) != raw:
+                self._changed(peer, key, raw, now, to_wall)
+
+    def _ended(self, peer: str, key: str, now: float) -> None:
+        inst, _, fid = key.partition(SEP)
+        f = self._remote.get(inst, {}).pop(f"{peer}/{fid}", None)
+        if f is not None and (lst := self._listeners.get(inst)) is not None:
+            lst.remote_end(f, now)
+
+    def _changed(self, peer: str, key: str, raw: str, now: float, to_wall: float) -> None:
+        inst, _, fid = key.partition(SEP)
+        mid = f"{peer}/{fid}"
+        try:
+            new = _unpack(mid, raw, to_wall)
+        except (ValueError, TypeError) as e:  # (a peer of another version, or garbage)
+            log.debug("unreadable flight in the store", extra={"fields": {
+                "peer": peer, "field": key[:100], "error": str(e)[:100]}})
+            return
+        mirror = self._remote.setdefault(inst, {})
+        lst = self._listeners.get(inst)
+        f = mirror.get(mid)
+        if f is None:
+            mirror[mid] = new
+            m = self.conn.metrics
+            if m is not None:
+                m.store_staleness.observe(max(0.0, now - new.dispatched))
+            if lst is not None:
+                lst.remote_dispatch(new, now)
+                if new.first_token is not None:
                     lst.remote_first_token(new, now)
-                continue
-            first = f.first_token is None and new.first_token is not None
-            f.first_token = new.first_token
-            f.tokens = new.tokens
-            if first and lst is not None:
-                lst.remote_first_token(f, now)
+            return
+        first = f.first_token is None and new.first_token is not None
+        f.first_token = new.first_token
+        f.tokens = new.tokens
+        if first and lst is not None:
+            lst.remote_first_token(f, now)
 
     def _forget_peers(self) -> None:
         """Redis is away: drop the mirror, so that this replica routes on its own flights."""
@@ -337,7 +489,8 @@ class RedisFlightStore:
         for r in list(self._fields):
             self._apply(r, {}, now, 0.0)
         self._fields.clear()
-        self._versions.clear()
+        self._cursors.clear()
+        self._resync.clear()
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "redis", "replica": self.replica, "up": self.conn.up,
