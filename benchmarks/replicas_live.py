@@ -137,9 +137,30 @@ async def drive(urls: list[str], n: int, rate: float, seed: int) -> dict[str, An
         got = await asyncio.gather(*tasks, return_exceptions=True)
         done.set()
         await sampler
+        texts = []
+        for u in urls:
+            async with s.get(u + "/metrics") as r:
+                texts.append(await r.text())
     recs = [g for g in got if isinstance(g, dict)]
     return {"records": recs, "errors": [repr(g)[:200] for g in got if not isinstance(g, dict)],
-            "remote_seen": seen}
+            "remote_seen": seen,
+            "staleness_ms": quantiles(texts, "duetime_store_staleness_seconds"),
+            "sync_ms": quantiles(texts, "duetime_store_sync_seconds")}
+
+
+def quantiles(texts: list[str], name: str) -> list[float] | None:
+    """p50 and p90 (bucket upper bounds, ms) of a histogram summed over the replicas."""
+    counts: dict[float, float] = {}
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith(name + "_bucket{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                counts[float(le)] = counts.get(float(le), 0.0) + float(line.rsplit(" ", 1)[1])
+    if not counts or counts[max(counts)] == 0:
+        return None
+    bounds = sorted(counts)
+    total = counts[bounds[-1]]
+    return [next(b for b in bounds if counts[b] >= q * total) * 1000 for q in (0.5, 0.9)]
 
 
 def summarize(out: dict[str, Any]) -> dict[str, Any]:
@@ -159,6 +180,7 @@ def summarize(out: dict[str, Any]) -> dict[str, Any]:
             "median_abs_err": float(np.median(err)), "p90_abs_err": float(np.quantile(err, 0.9)),
             "median_ratio": float(np.median(obs / fc)), "on_time": float(on_time),
             "median_abs_err_by_replica": by_replica, "remote_seen": out["remote_seen"],
+            "staleness_ms": out["staleness_ms"], "sync_ms": out["sync_ms"],
             "served": {m: sum(r["instance"] == m for r in ok) for m in MODELS}}
 
 
@@ -220,19 +242,25 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def table(results: list[dict[str, Any]]) -> str:
     lines = ["| variant | requests (scored) | median / p90 |error| | median observed/forecast "
-             "| on time | others' requests in view (max, per replica) | served 0.6b / 8b / 32b |",
-             "|---|---|---|---|---|---|---|"]
+             "| on time | others' requests in view (max, per replica) | served 0.6b / 8b / 32b "
+             "| staleness p50 / p90 (ms, ≤) | sync p50 / p90 (ms, ≤) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if not r.get("scored"):
-            lines.append(f"| {r['variant']} | {r['requests']} (0) | – | – | – | – | – |")
+            lines.append(f"| {r['variant']} | {r['requests']} (0) | – | – | – | – | – | – | – |")
             continue
         sv = r["served"]
         lines.append(
             f"| {r['variant']} | {r['requests']} ({r['scored']}) | "
             f"{r['median_abs_err']:.1%} / {r['p90_abs_err']:.1%} | {r['median_ratio']:.2f} | "
             f"{r['on_time']:.1%} | {', '.join(map(str, r['remote_seen']))} | "
-            f"{' / '.join(str(sv[m]) for m in MODELS)} |")
+            f"{' / '.join(str(sv[m]) for m in MODELS)} | {_pair(r['staleness_ms'])} | "
+            f"{_pair(r['sync_ms'])} |")
     return "\n".join(lines)
+
+
+def _pair(q: list[float] | None) -> str:
+    return "–" if q is None else f"{q[0]:g} / {q[1]:g}"
 
 
 def main() -> None:
