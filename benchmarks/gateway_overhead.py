@@ -211,7 +211,20 @@ async def _measure(paths: list[Path_], n: int, rounds: int) -> list[list[str]]:
                             f"{_pct(e, .99) - _pct(de, .99):+.2f}",
                             f"{cpu[p.name] / len(r) * 1000:.2f}"]
                 rows.append(row)
+        for p in paths:  # the gateways' own routing time (arrival to dispatch), whole run
+            if p.pid is None or p.name == "litellm":
+                continue
+            async with session.get(p.url + "/metrics") as r:
+                text = (await r.text()) if r.status == 200 else ""
+            vals = {ln.split(" ")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                    if ln.startswith("duetime_routing_seconds_")}
+            n_ = vals.get("duetime_routing_seconds_count", 0.0)
+            if n_:
+                ROUTING[p.name] = vals["duetime_routing_seconds_sum"] / n_ * 1000
     return rows
+
+
+ROUTING: dict[str, float] = {}  # path -> mean routing time (ms), from its /metrics
 
 
 def _default_litellm() -> str | None:
@@ -354,6 +367,9 @@ def main() -> None:
     print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
+    if ROUTING:
+        print("routing time, arrival to dispatch (mean, ms, the gateway's "
+              "duetime_routing_seconds): " + ", ".join(f"{k} {v:.3f}" for k, v in ROUTING.items()))
     print("+x: added over the direct path in the same run; proxy cpu/req: the proxy process's "
           "CPU per request through it (background scrapes and probes included).")
 

@@ -8,22 +8,28 @@ gossip; AIBrix and LiteLLM: Redis keys with TTLs); duetime shares through Redis.
 
 :class:`RedisFlightStore` is a :class:`~duetime.gateway.inflight.FlightStore`. The hot path never
 waits on Redis: this replica's flights live in its memory (a
-:class:`~duetime.gateway.inflight.MemoryStore`) and their changes go to an outbox; a background
-task syncs in two pipelined round trips:
+:class:`~duetime.gateway.inflight.MemoryStore`) and their changes go to an outbox, which a
+background task syncs in one round trip:
 
-1. write the outbox (one hash per replica, ``{prefix}:flights:{replica}``, a field per flight,
-   ``{instance}\x1f{flight id}`` → ``[prompt tokens, predicted output, dispatched, first
-   token, tokens, block keys]`` with wall-clock times), bump the replica's version and publish
-   a notice (``{prefix}:notices``), renew both keys' TTL (``ttl_s``: a dead replica's flights
-   expire), stamp the replica in the ``{prefix}:replicas`` sorted set, drop replicas silent
-   for ``ttl_s``, read the live ones and the known ones' versions;
-2. read the flights of each replica whose version moved (``HGETALL``).
+- **write** (one Lua script, :data:`WRITE`, atomic): the changed flights into the replica's
+  hash ``{prefix}:flights:{replica}`` (a field per flight, ``{instance}\x1f{flight id}`` →
+  ``[prompt tokens, predicted output, dispatched, first token, tokens, block keys]``,
+  wall-clock times), the change itself appended to its stream ``{prefix}:changes:{replica}``
+  with its new version, a notice published on ``{prefix}:notices``; every key's TTL renewed
+  (``ttl_s``: a dead replica's flights expire), its heartbeat stamped in the sorted set
+  ``{prefix}:replicas``, replicas silent for ``ttl_s`` dropped; the live replicas returned;
+- **read**: the peers' changes since the last read (one ``XREAD`` over their streams).
 
-A sync runs as soon as something happens — a dispatch, first token or end here, or a peer's
-notice — but at most every ``MIN_GAP_S``, and at least every ``sync_s`` (token counts ride on
-the periodic one). Why push, not only poll: at a TTFT of 50–150 ms a request another replica
-dispatched 20 ms ago matters, and a 20 ms poll left it out (measured with
-``benchmarks/replicas_live.py``: the shared store did no better than independent replicas).
+A peer met for the first time, or whose versions jump (its stream is capped at ~1,000 changes),
+is read whole (its hash, version and last change id in one ``MULTI``) in a second round trip.
+
+A sync runs ``BATCH_S`` after something happens — a dispatch, first token or end here, or a
+peer's notice (Redis pub/sub) — so that one sync carries a burst and the request that woke it
+gets its bytes out first; and at least every ``sync_s`` (token counts, the heartbeat). Why
+push, and why deltas: at a TTFT of 50–150 ms a request another replica dispatched 20 ms ago
+matters, and with a 20 ms poll the shared store did no better than independent replicas;
+reading whole hashes cost ~7 ms of CPU at 1,000 flights (both measured with
+``benchmarks/replicas_live.py`` and docs/gateway.md's numbers).
 
 The other replicas' flights are mirrored as :class:`Flight` objects (ids ``{replica}/{id}``)
 and each change is handed to the instance's :class:`RemoteListener` (the gateway's
@@ -63,7 +69,7 @@ from duetime.gateway.metrics import GatewayMetrics
 log = logging.getLogger("duetime.gateway")
 
 RETRY_S = 0.5  # how often a replica tries Redis again while it is down
-MIN_GAP_S = 0.002  # the least time between two syncs of a replica
+BATCH_S = 0.002  # how long a woken sync waits for more changes before it runs
 SEP = "\x1f"   # between an instance's name and a flight's id in a hash field
 FAILURES = (RedisError, OSError, asyncio.TimeoutError)
 
@@ -281,9 +287,8 @@ class RedisFlightStore:
         await self.conn.close()
 
     async def _run(self) -> None:
-        """Sync when something happened (a dispatch, first token or end here, a peer's
-        notice), at most every ``MIN_GAP_S``, and at least every ``sync_s`` (token counts,
-        the replica's heartbeat)."""
+        """Sync ``BATCH_S`` after something happened (a dispatch, first token or end here, a
+        peer's notice), and at least every ``sync_s`` (token counts, the heartbeat)."""
         m = self.conn.metrics
         while True:
             _still_running()
@@ -301,12 +306,16 @@ class RedisFlightStore:
             dt = time.perf_counter() - t0
             if m is not None:
                 m.store_sync.observe(dt)
-            await asyncio.sleep(max(0.0, MIN_GAP_S - dt))
             # (asyncio.timeout, not wait_for: on 3.11 a cancel that meets wait_for's timeout
             # becomes a TimeoutError, and the task would sync on after close() cancelled it)
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(max(0.0, self.sync_s - (time.perf_counter() - t0))):
                     await self._wake.wait()
+            except TimeoutError:
+                continue
+            # woken: let the request that woke the sync get its bytes out first, and gather
+            # what comes with it (a burst's dispatches, a first token) into one sync
+            await asyncio.sleep(BATCH_S)
 
     async def _notices(self) -> None:
         """Peers publish a notice with each write: wake the sync to read them at once."""
