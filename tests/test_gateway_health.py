@@ -90,3 +90,19 @@ def test_a_failed_probe_is_remembered_for_the_gateways_health() -> None:
     assert not h.probe_ok
     h.probe(True, "")
     assert h.probe_ok
+
+
+def test_a_peer_replicas_ejection_waits_for_that_replica_and_is_not_told_back() -> None:
+    told: list[bool] = []
+    h = tracker()
+    h.on_change = told.append
+    h.eject("ejected by gateway replica r2", peer="r2")
+    assert not h.healthy and h.peer_ejected == "r2" and told == []
+    h.probe(True, "")  # (this replica's probe passes: the ejecting replica decides)
+    assert not h.healthy
+    h.readmit()  # (the store: r2 readmitted it)
+    assert h.healthy and h.peer_ejected is None and told == []
+    h.report_failure("connect", "refused")  # this replica's own ejection goes to the store
+    assert not h.healthy and told == [True]
+    h.probe(True, "")
+    assert h.healthy and told == [True, False]

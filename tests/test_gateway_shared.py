@@ -105,3 +105,23 @@ def test_a_keys_rate_limit_holds_across_replicas(redis_server: RedisServer, tmp_
 
     codes = run(go(), 90.0)
     assert codes == [200, 200, 200, 429]  # 3 a minute for the deployment, not per replica
+
+
+def test_an_ejection_on_one_replica_holds_on_the_other(redis_server: RedisServer):
+    async def go() -> tuple[bool, bool, bool]:
+        cfg = config(state={"store": redis_server.url}, health={"interval_s": 60.0})
+        async with service(pool_from_dict(cfg, "test")) as (sa, _):  # noqa: SIM117
+            async with service(without_emulators(sa.pool)) as (sb, cb):
+                a_on_a, a_on_b = sa.gateway.instances[0], sb.gateway.instances[0]
+                a_on_a.health.eject("test: five 5xx in a row")
+                out = await wait_for(lambda: not a_on_b.healthy, 10.0)
+                r = await cb.post("/v1/chat/completions", json=chat(model="big"))
+                routed = r.headers.get("x-duetime-instance")
+                a_on_a.health.readmit()
+                back = await wait_for(lambda: a_on_b.healthy, 10.0)
+                return out, back, routed == "a"
+
+    out, back, fail_open = run(go(), 90.0)
+    assert out, "B should take a out of rotation when A ejects it"
+    assert fail_open  # (model big has no other instance: B fails open to it, as alone)
+    assert back, "B should put a back when A readmits it"

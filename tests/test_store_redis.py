@@ -24,6 +24,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
+        self.ejected: str | None = None
 
     def remote_dispatch(self, f: Flight, now: float) -> None:
         self.events.append(("dispatch", f.id))
@@ -33,6 +34,12 @@ class Recorder:
 
     def remote_end(self, f: Flight, now: float) -> None:
         self.events.append(("end", f.id))
+
+    def remote_ejected(self, by: str) -> None:
+        self.ejected = by
+
+    def remote_readmitted(self) -> None:
+        self.ejected = None
 
 
 def store(url: str, replica: str, **kw: Any) -> RedisFlightStore:
@@ -202,4 +209,23 @@ def test_rate_limits_hold_across_replicas(redis_server: RedisServer):
         assert not ok and level.remaining < -49.0
         for s in (one, two):
             await s.conn.close()
+    asyncio.run(go())
+
+
+def test_an_ejection_holds_on_every_replica_until_its_replica_readmits(redis_server):
+    async def go() -> None:
+        a, b = store(redis_server.url, "a"), store(redis_server.url, "b")
+        ra, rb = Recorder(), Recorder()
+        a.listen("x", ra)
+        b.listen("x", rb)
+        a.eject("x", True)
+        await a.sync()
+        await b.sync()
+        assert rb.ejected == "a" and ra.ejected is None  # (a's own: not told back to a)
+        a.eject("x", False)
+        await a.sync()
+        await b.sync()
+        assert rb.ejected is None
+        for s in (a, b):
+            await s.close()
     asyncio.run(go())

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 from duetime.gateway.metrics import GatewayMetrics
 
@@ -62,6 +63,10 @@ class HealthTracker:
         self.last_error = ""
         self.ejected_at: float | None = None
         self.probe_ok = True  # its last health probe passed (or none was made yet)
+        # with a shared store: the gateway replica whose ejection this is (its probe readmits
+        # it, not this replica's), and who to tell of this replica's own ejections
+        self.peer_ejected: str | None = None
+        self.on_change: Callable[[bool], None] | None = None
         self._outcomes: deque[tuple[float, bool]] = deque()  # (time, failed)
         metrics.healthy.labels(name).set(1)
 
@@ -109,13 +114,16 @@ class HealthTracker:
         counts against a healthy one (a connect failure ejects it)."""
         self.probe_ok = ok
         if ok:
-            self.readmit()
+            if self.peer_ejected is None:
+                self.readmit()
         elif self.healthy:
             self.report_failure("connect" if why.startswith("connect") else "probe", why)
         else:
             self.last_error = why
 
-    def eject(self, reason: str) -> None:
+    def eject(self, reason: str, *, peer: str | None = None) -> None:
+        """Out of rotation (``peer``: on another gateway replica's word, through the shared
+        store)."""
         if not self.healthy:
             return
         if not self.budget.may_eject():
@@ -125,16 +133,21 @@ class HealthTracker:
                            "ejected": sorted(self.budget.ejected)}})
             return
         self.healthy = False
+        self.peer_ejected = peer
         self.ejected_at = self.clock()
         self.budget.ejected.add(self.name)
         self.metrics.healthy.labels(self.name).set(0)
         self.metrics.ejections.labels(self.name).inc()
         log.warning("instance ejected", extra={"fields": {
             "event": "eject", "instance": self.name, "reason": reason}})
+        if peer is None and self.on_change is not None:
+            self.on_change(True)
 
     def readmit(self) -> None:
         if self.healthy:
             return
+        own = self.peer_ejected is None
+        self.peer_ejected = None
         self.healthy = True
         self.failures = 0
         self._outcomes.clear()  # (a fresh start: the old window would eject it again)
@@ -142,3 +155,5 @@ class HealthTracker:
         self.metrics.healthy.labels(self.name).set(1)
         log.info("instance back in rotation", extra={"fields": {
             "event": "readmit", "instance": self.name}})
+        if own and self.on_change is not None:
+            self.on_change(False)

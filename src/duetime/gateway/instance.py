@@ -80,6 +80,8 @@ class InstanceState:
         self.shared = shared
         if shared is not None:
             shared.listen(self.name, self)
+            name = self.name
+            self.health.on_change = lambda ejected: shared.eject(name, ejected)
 
     def _replica(self, now: float) -> None:
         """A new shadow replica of the instance as configured now."""
@@ -297,6 +299,15 @@ class InstanceState:
 
     def remote_end(self, f: Flight, now: float) -> None:
         self.shadow.remove(f)
+
+    def remote_ejected(self, by: str) -> None:
+        """Another replica ejected the instance: out of rotation here too (within this
+        replica's ejection budget) until that replica readmits it."""
+        self.health.eject(f"ejected by gateway replica {by}", peer=by)
+
+    def remote_readmitted(self) -> None:
+        if self.health.peer_ejected is not None:
+            self.health.readmit()
 
     def describe(self) -> dict[str, object]:
         """For ``GET /duetime/instances`` (refresh first for an up-to-date queue)."""

@@ -130,6 +130,14 @@ class RemoteListener(Protocol):
 
     def remote_end(self, flight: Flight, now: float) -> None: ...
 
+    def remote_ejected(self, by: str) -> None:
+        """Replica ``by`` ejected the instance."""
+        ...
+
+    def remote_readmitted(self) -> None:
+        """No replica holds the instance ejected now."""
+        ...
+
 
 def _pack(f: Flight, to_wall: float) -> str:
     hashes = (None if f.hashes is None else
@@ -210,6 +218,8 @@ class RedisFlightStore:
         self._beat = -math.inf  # when this replica last wrote (its heartbeat)
         self._listeners: dict[str, RemoteListener] = {}
         self._firsts: set[str] = set()  # own flights whose first token went to the outbox
+        self._ejected: set[str] = set()  # instances this replica holds ejected
+        self._eject_out: dict[str, bool] = {}  # ejections and readmissions not yet written
         self._wake = asyncio.Event()  # (created unbound: it binds to the loop at first wait)
         self._tasks: list[asyncio.Task[None]] = []
         self.syncs = 0  # completed syncs (tests wait on it)
@@ -249,6 +259,12 @@ class RedisFlightStore:
 
     def listen(self, instance: str, listener: RemoteListener) -> None:
         self._listeners[instance] = listener
+
+    def eject(self, instance: str, ejected: bool) -> None:
+        """This replica ejected (or readmitted) ``instance``: the others follow."""
+        (self._ejected.add if ejected else self._ejected.discard)(instance)
+        self._eject_out[instance] = ejected
+        self._wake.set()
 
     def peers(self) -> list[str]:
         """The other live replicas, as last synced."""
@@ -354,7 +370,10 @@ class RedisFlightStore:
         else:
             outbox = self._outbox
         write = full or bool(outbox) or mono - self._beat >= self.sync_s
-        self._outbox, self._full = {}, False
+        ejections = dict(self._eject_out)
+        if write or full:  # (the heartbeat renews this replica's ejections' TTL)
+            ejections.update({i: True for i in self._ejected})
+        self._outbox, self._full, self._eject_out = {}, False, {}
         try:
             if self._sha is None:
                 self._sha = await c.client.script_load(WRITE)
@@ -371,19 +390,38 @@ class RedisFlightStore:
                              c.key("replicas"), self.replica, f"{wall:.6f}",
                              max(1, int(self.ttl_s * 1000)), c.key("notices"), delta,
                              len(sets), *itertools.chain.from_iterable(sets.items()), *dels)
+            ttl_ms = max(1, int(self.ttl_s * 1000))
+            for inst, on in ejections.items():
+                if on:
+                    pipe.set(c.key("ejected", inst), self.replica, px=ttl_ms)
+                else:
+                    pipe.delete(c.key("ejected", inst))
+            watched = list(self._listeners)
+            if watched:
+                pipe.mget([c.key("ejected", i) for i in watched])
             cursors = {c.key("changes", r): cur[0] for r, cur in self._cursors.items()
                        if r not in self._resync}
             if cursors:
                 pipe.xread(cursors)
-            res = await pipe.execute() if (write or cursors) else []
+            res = await pipe.execute()
         except NoScriptError:  # (Redis restarted: load the script again, write everything)
             self._sha = None
             self._full = True
             return
         except BaseException:
             self._full = True  # (whatever was written, the next sync writes everything)
+            for inst, on in ejections.items():
+                self._eject_out.setdefault(inst, on)
             raise
         now = time.monotonic()
+        if watched:
+            held = res[-2] if cursors else res[-1]
+            for inst, by in zip(watched, held, strict=True):
+                lst = self._listeners[inst]
+                if by is not None and by != self.replica:
+                    lst.remote_ejected(by)
+                elif by is None and inst not in self._ejected:
+                    lst.remote_readmitted()
         if write:
             self._beat = mono
             live = {r for r in res[0] if r != self.replica}
@@ -500,6 +538,8 @@ class RedisFlightStore:
         self._fields.clear()
         self._cursors.clear()
         self._resync.clear()
+        for lst in self._listeners.values():  # (and the others' ejections)
+            lst.remote_readmitted()
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "redis", "replica": self.replica, "up": self.conn.up,
