@@ -125,3 +125,21 @@ def test_an_ejection_on_one_replica_holds_on_the_other(redis_server: RedisServer
     assert out, "B should take a out of rotation when A ejects it"
     assert fail_open  # (model big has no other instance: B fails open to it, as alone)
     assert back, "B should put a back when A readmits it"
+
+
+def test_a_sessions_binding_holds_on_every_replica(redis_server: RedisServer):
+    async def go() -> tuple[str | None, str | None, str | None]:
+        cfg = config(state={"store": redis_server.url}, policy="session-affinity")
+        async with service(pool_from_dict(cfg, "test")) as (sa, ca):  # noqa: SIM117
+            async with service(without_emulators(sa.pool)) as (sb, cb):
+                h = {"x-session-id": "conversation-7"}
+                r = await ca.post("/v1/chat/completions", json=chat(), headers=h)
+                first = r.headers.get("x-duetime-instance")
+                bindings = sb.gateway.policy.bindings
+                await wait_for(lambda: "conversation-7" in bindings, 10.0)
+                r = await cb.post("/v1/chat/completions", json=chat(), headers=h)
+                return first, bindings.get("conversation-7"), r.headers.get(
+                    "x-duetime-instance")
+
+    first, seen, second = run(go(), 90.0)
+    assert first is not None and seen == first and second == first

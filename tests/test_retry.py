@@ -161,3 +161,14 @@ def test_laar_and_ttca_beat_the_baselines() -> None:
         mean[pol] = res.ttca.mean()
     assert mean["laar"] < mean["load-aware"] and mean["laar"] < mean["session-affinity"]
     assert mean["ttca"] <= mean["laar"] * 1.05
+
+
+def test_session_affinity_forgets_the_oldest_sessions_past_its_bound():
+    from duetime.policy.retry import BoundedDict
+
+    d = BoundedDict(3)
+    for k in "abcd":
+        d[k] = k.upper()
+    d["b"] = "B"  # (rebinding refreshes it)
+    d["e"] = "E"
+    assert list(d) == ["d", "b", "e"]

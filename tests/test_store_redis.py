@@ -229,3 +229,21 @@ def test_an_ejection_holds_on_every_replica_until_its_replica_readmits(redis_ser
         for s in (a, b):
             await s.close()
     asyncio.run(go())
+
+
+def test_session_bindings_reach_the_other_replicas(redis_server):
+    async def go() -> None:
+        a, b = store(redis_server.url, "a"), store(redis_server.url, "b")
+        await a.sync()
+        await b.sync()  # (b knows a: bindings made from now on reach it)
+        a.bindings["session-1"] = "x"
+        await a.sync()
+        await b.sync()
+        assert b.bindings.get("session-1") == "x" and dict(b.bindings) == {"session-1": "x"}
+        b.bindings["session-1"] = "y"  # (rebound on b: a follows)
+        await b.sync()
+        await a.sync()
+        assert a.bindings["session-1"] == "y"
+        for s in (a, b):
+            await s.close()
+    asyncio.run(go())

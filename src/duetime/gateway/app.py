@@ -71,6 +71,8 @@ class Gateway:
         # (shared: other replicas' flights join the shadow replicas; rate limits hold for all)
         self.shared = store if isinstance(store, RedisFlightStore) else None
         limiter = None if self.shared is None else Limiter(RedisLimitStore(self.shared.conn))
+        if self.shared is not None and hasattr(self.policy, "bindings"):  # (session-affinity)
+            self.policy.bindings = self.shared.bindings
         self.auth = Auth(pool.auth, self.metrics.registry, host=host, limiter=limiter)
         self.store = self.auth.meter(store if store is not None else MemoryStore())
         now = time.monotonic()

@@ -56,7 +56,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -157,6 +158,42 @@ def _unpack(fid: str, raw: str, to_mono: float) -> Flight:
     return f
 
 
+class SessionBindings(MutableMapping[str, str]):
+    """Session-affinity bindings (session → instance) shared by the replicas: a binding made
+    here goes out with the next sync; the others' come in with their changes. Only bindings
+    made while a replica runs reach it (none is read back at its start). Bounded: the least
+    recently bound are forgotten first."""
+
+    def __init__(self, store: RedisFlightStore, limit: int = 100_000) -> None:
+        self.store = store
+        self.limit = limit
+        self.local: OrderedDict[str, str] = OrderedDict()
+
+    def put(self, session: str, instance: str) -> None:
+        """A binding (made here or by another replica)."""
+        self.local[session] = instance
+        self.local.move_to_end(session)
+        while len(self.local) > self.limit:
+            self.local.popitem(last=False)
+
+    def __getitem__(self, session: str) -> str:
+        return self.local[session]
+
+    def __setitem__(self, session: str, instance: str) -> None:
+        if self.local.get(session) != instance:
+            self.store.bind(session, instance)
+        self.put(session, instance)
+
+    def __delitem__(self, session: str) -> None:
+        del self.local[session]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.local)
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
 class RedisConnection:
     """One Redis client for a gateway replica, and whether Redis answers (logged once per
     change, exported as ``duetime_store_up``)."""
@@ -220,6 +257,8 @@ class RedisFlightStore:
         self._firsts: set[str] = set()  # own flights whose first token went to the outbox
         self._ejected: set[str] = set()  # instances this replica holds ejected
         self._eject_out: dict[str, bool] = {}  # ejections and readmissions not yet written
+        self._bind_out: dict[str, str] = {}  # session bindings not yet written
+        self.bindings = SessionBindings(self)
         self._wake = asyncio.Event()  # (created unbound: it binds to the loop at first wait)
         self._tasks: list[asyncio.Task[None]] = []
         self.syncs = 0  # completed syncs (tests wait on it)
@@ -264,6 +303,11 @@ class RedisFlightStore:
         """This replica ejected (or readmitted) ``instance``: the others follow."""
         (self._ejected.add if ejected else self._ejected.discard)(instance)
         self._eject_out[instance] = ejected
+        self._wake.set()
+
+    def bind(self, session: str, instance: str) -> None:
+        """A session bound here (:class:`SessionBindings`): it goes out with the next sync."""
+        self._bind_out[session] = instance
         self._wake.set()
 
     def peers(self) -> list[str]:
@@ -369,7 +413,8 @@ class RedisFlightStore:
                 for fid, f in self.local.flights(inst).items()}
         else:
             outbox = self._outbox
-        write = full or bool(outbox) or mono - self._beat >= self.sync_s
+        binds, self._bind_out = self._bind_out, {}
+        write = full or bool(outbox) or bool(binds) or mono - self._beat >= self.sync_s
         ejections = dict(self._eject_out)
         if write or full:  # (the heartbeat renews this replica's ejections' TTL)
             ejections.update({i: True for i in self._ejected})
@@ -382,9 +427,13 @@ class RedisFlightStore:
                 sets = {f"{inst}{SEP}{fid}": _pack(f, to_wall)
                         for (inst, fid), f in outbox.items() if f is not None}
                 dels = [f"{inst}{SEP}{fid}" for (inst, fid), f in outbox.items() if f is None]
-                delta = ("full" if full else json.dumps({"s": sets, "d": dels},
-                                                        separators=(",", ":"))
-                         if sets or dels else "")
+                change: dict[str, Any] = {"s": sets, "d": dels}
+                if binds and full:  # (a whole rewrite carries no change: they go next time)
+                    self._bind_out = {**binds, **self._bind_out}
+                elif binds:
+                    change["b"] = binds
+                delta = ("full" if full else json.dumps(change, separators=(",", ":"))
+                         if sets or dels or binds else "")
                 pipe.evalsha(self._sha, 4, c.key("flights", self.replica),
                              c.key("version", self.replica), c.key("changes", self.replica),
                              c.key("replicas"), self.replica, f"{wall:.6f}",
@@ -407,9 +456,11 @@ class RedisFlightStore:
         except NoScriptError:  # (Redis restarted: load the script again, write everything)
             self._sha = None
             self._full = True
+            self._bind_out = {**binds, **self._bind_out}
             return
         except BaseException:
             self._full = True  # (whatever was written, the next sync writes everything)
+            self._bind_out = {**binds, **self._bind_out}
             for inst, on in ejections.items():
                 self._eject_out.setdefault(inst, on)
             raise
@@ -467,6 +518,8 @@ class RedisFlightStore:
             for key, raw in change.get("s", {}).items():
                 fields[key] = raw
                 self._changed(peer, key, raw, now, to_wall)
+            for session, inst in change.get("b", {}).items():
+                self.bindings.put(session, inst)
             sid, version = eid, v
             self._cursors[peer] = (sid, version)
 

@@ -12,6 +12,9 @@ failed a request fails it again, so already-attempted models are penalised (LAAR
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import MutableMapping
+
 import numpy as np
 
 from duetime.estimate import LaarLatency, SfsEstimator
@@ -33,17 +36,38 @@ class SessionAffinity(Policy):
     def __init__(self, *, seed: int = 0) -> None:
         super().__init__(seed=seed)
         self._first = LoadAware(seed=seed)
-        self._bound: dict[str, str] = {}
+        # session -> instance name; a gateway whose replicas share state puts a shared mapping
+        # here (duetime.gateway.store_redis.SessionBindings)
+        self.bindings: MutableMapping[str, str] = BoundedDict(MAX_SESSIONS)
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
-        if req.session is not None and req.session in self._bound:
+        bound = None if req.session is None else self.bindings.get(req.session)
+        if bound is not None:
             names = [c.name for c in cands]
-            if self._bound[req.session] in names:
-                return Decision(names.index(self._bound[req.session]))
+            if bound in names:
+                return Decision(names.index(bound))
         d = self._first.choose(req, cands, now)
         if req.session is not None:
-            self._bound[req.session] = cands[d.index].name
+            self.bindings[req.session] = cands[d.index].name
         return d
+
+
+MAX_SESSIONS = 100_000  # sessions remembered (the least recently bound are forgotten first)
+
+
+class BoundedDict(OrderedDict[str, str]):
+    """A dict that forgets its oldest entries past ``limit`` (a gateway sees sessions
+    without end; an unbounded map of them grows without end)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key: str, value: str) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 ALPHA = Param("alpha", "alpha", float, 0.7, "laar's weight of the tokens queued at an instance",
