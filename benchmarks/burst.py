@@ -14,6 +14,11 @@ quantiles are bucket bounds.
 
     python benchmarks/burst.py [--burst 500] [--warmup 60] [--rounds 1]
 
+A last row, ``capacity``, says what each instance can serve of such a burst: the share of the
+pool's rate if each served the whole burst alone (its engine and batch-time model, the burst's
+requests at once: a 12-token prompt, 4 output tokens), the split a burst spread "in
+proportion to what each can serve" would have.
+
 The client (aiohttp: with httpx the client itself spent 6.7 s of CPU on a burst of 500 and
 was the bottleneck; a client in the gateway's own process does not make a burst at all) and
 the gateway share the machine's cores: compare the rows of one run. The last column is the
@@ -40,6 +45,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from duetime.engine.compiled import Engine
+from duetime.engine.profiles import load_profile
 from duetime.service.pool import DEMO_MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +151,20 @@ async def run(gateway_load: bool, burst: int, warmup: int) -> dict:
             "ratio": [bucket_pct(before[hists[1]], after[hists[1]], q) for q in (0.5, 0.9)]}
 
 
+def capacity(names: tuple[str, ...], burst: int) -> dict[str, float]:
+    """Each instance's share of the pool's rate on the burst, served alone (see the doc)."""
+    rate = {}
+    for name in names:
+        p = load_profile(name)
+        e = Engine(p.config, p.batch_time, time=0.0, retain_finished=False)
+        for i in range(burst):
+            e.add(f"r{i}", 12, 4, arrival=0.0)
+        e.drain()
+        rate[name] = burst / e.time
+    total = sum(rate.values())
+    return {n: r / total for n, r in rate.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--burst", type=int, default=500)
@@ -167,6 +188,9 @@ def main() -> None:
                   flush=True)
             for e in r["errors"][:3]:
                 print(f"    {e}", file=sys.stderr)
+    share = capacity(names, args.burst)
+    print("| capacity | | " + " | ".join(f"{share[n] * args.burst:.0f}" for n in names)
+          + " | | | | | | |")
 
 
 if __name__ == "__main__":
