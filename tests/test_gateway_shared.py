@@ -143,3 +143,11 @@ def test_a_sessions_binding_holds_on_every_replica(redis_server: RedisServer):
 
     first, seen, second = run(go(), 90.0)
     assert first is not None and seen == first and second == first
+
+
+def test_a_bad_store_url_is_a_one_line_error(capsys):
+    from duetime.cli import main
+
+    assert main(["serve", "--store", "http://x", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--store 'http://x': a Redis URL" in err

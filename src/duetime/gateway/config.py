@@ -301,7 +301,8 @@ class Pool:
             state = StateSpec.model_validate({**self.state.model_dump(),
                                               "store": None if url == "memory" else url})
         except ValidationError as e:
-            raise ConfigError(f"--store {url!r}: {e.errors()[0]['msg']}") from None
+            why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+            raise ConfigError(f"--store {url!r}: {why}") from None
         return replace(self, state=state)
 
     def with_urls(self, urls: dict[str, str]) -> Pool:
