@@ -31,6 +31,7 @@ from duetime.gateway import pool_from_dict
 from duetime.gateway.extproc import CHUNK_BYTES
 from duetime.service import Service
 from duetime.service.epp import PickerService
+from test_gateway import long_streams
 
 MODE = processing_mode_pb2.ProcessingMode
 PRICE = {"prompt": 0.1, "output": 0.3}
@@ -432,15 +433,7 @@ def test_the_picker_and_a_gateway_replica_share_live_state(redis_server):
             gw = await Service(pool).start()
             try:
                 async with httpx.AsyncClient(base_url=gw.url, timeout=20) as c:
-                    long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2,
-                            "stream": True}
-
-                    async def send_long() -> None:
-                        async with c.stream("POST", "/v1/completions", json=long) as resp:
-                            async for _ in resp.aiter_bytes():
-                                pass
-
-                    tasks = [asyncio.create_task(send_long()) for _ in range(n_long)]
+                    tasks = long_streams(c, n_long)
                     a = psvc.gateway.instances[0]
                     assert await wait_for(lambda: len(a.remote_flights) == n_long)
                     call, out = await route(stub, json.dumps(chat()).encode(),

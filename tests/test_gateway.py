@@ -68,6 +68,19 @@ async def gateway(cfg: dict[str, Any], read: Callable[[Any, str], Any] = pool_fr
         await svc.stop()
 
 
+def long_streams(client: httpx.AsyncClient, n: int) -> list[asyncio.Task[None]]:
+    """``n`` streamed 30,000-token completions for model ``big``, each read to its end (the
+    load that keeps an instance busy while a test routes something else)."""
+    long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2, "stream": True}
+
+    async def send() -> None:
+        async with client.stream("POST", "/v1/completions", json=long) as resp:
+            async for _ in resp.aiter_bytes():
+                pass
+
+    return [asyncio.create_task(send()) for _ in range(n)]
+
+
 def chat(content: str = "hello", **kw: Any) -> dict[str, Any]:
     return {"model": "auto", "messages": [{"role": "user", "content": content}],
             "max_tokens": 4, **kw}
@@ -179,14 +192,7 @@ def test_sfs_avoids_an_instance_busy_with_its_own_traffic_shadow_state():
     async def go():
         cfg = config(state={"source": "shadow"}, a={"emulate": {"speed": 1.0}})
         async with gateway(cfg) as (svc, c):
-            long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2, "stream": True}
-
-            async def send_long() -> None:
-                async with c.stream("POST", "/v1/completions", json=long) as resp:
-                    async for _ in resp.aiter_bytes():
-                        pass
-
-            tasks = [asyncio.create_task(send_long()) for _ in range(n_long)]
+            tasks = long_streams(c, n_long)
             gw_a = svc.gateway.instances[0]
             assert await wait_for(lambda: len(gw_a.flights) == n_long)
             gw_a.refresh(time.monotonic())

@@ -17,7 +17,7 @@ from duetime.service import Service
 from duetime.service.pool import pool_from_dict
 from redis_server import RedisServer
 from test_auth import ALICE, auth_header, keys_files
-from test_gateway import chat, config, run, wait_for
+from test_gateway import chat, config, long_streams, run, wait_for
 
 
 def without_emulators(pool: Pool, **state: Any) -> Pool:
@@ -49,15 +49,7 @@ def test_a_replica_routes_around_load_another_replica_sent(redis_server: RedisSe
         async with service(pool_from_dict(cfg, "test")) as (sa, ca):  # noqa: SIM117
             async with service(without_emulators(sa.pool)) as (sb, cb), \
                     service(without_emulators(sa.pool, store=None)) as (_, cc):
-                long = {"model": "big", "prompt": [1] * 30000, "max_tokens": 2,
-                        "stream": True}
-
-                async def send_long() -> None:
-                    async with ca.stream("POST", "/v1/completions", json=long) as resp:
-                        async for _ in resp.aiter_bytes():
-                            pass
-
-                tasks = [asyncio.create_task(send_long()) for _ in range(n_long)]
+                tasks = long_streams(ca, n_long)
                 b_a = sb.gateway.instances[0]
                 assert await wait_for(lambda: len(b_a.remote_flights) == n_long, 10.0)
                 desc = (await cb.get("/duetime/instances")).json()

@@ -8,10 +8,13 @@ import json
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from duetime.argtypes import key_value, port, positive_float, positive_int
 from duetime.policy import policy_names
+
+if TYPE_CHECKING:
+    from duetime.gateway.config import Pool
 
 log = logging.getLogger("duetime.gateway")
 
@@ -33,14 +36,12 @@ def _banner(service: Any, started: float) -> None:
     print(f"  curl -s {url}/metrics | grep ^duetime_    (Ctrl-C to stop)", flush=True)
 
 
-async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.service import ConfigError, Service, demo_pool, load_pool
-    from duetime.serving.server import ServeError, shutdown_signals
+def with_cli_options(pool: Pool, args: argparse.Namespace, error: type[Exception]) -> Pool:
+    """The pool with the command line's ``--store``, ``--policy`` and ``--policy-param``
+    applied (``duetime serve`` and ``duetime epp``); a bad one is a one-line ``error``."""
+    from duetime.service import ConfigError
 
-    started = time.perf_counter()
     try:
-        pool = load_pool(args.config) if args.config else demo_pool(
-            speed=args.speed, replicas=args.replicas)
         if args.store is not None:
             pool = pool.with_store(args.store)
     except ConfigError as e:
@@ -53,6 +54,20 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
             pool = pool.with_policy(name, params)
         except ConfigError as e:
             raise error(str(e).replace(f"{pool.source}: policy.", "--policy-param ")) from None
+    return pool
+
+
+async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
+    from duetime.service import ConfigError, Service, demo_pool, load_pool
+    from duetime.serving.server import ServeError, shutdown_signals
+
+    started = time.perf_counter()
+    try:
+        pool = load_pool(args.config) if args.config else demo_pool(
+            speed=args.speed, replicas=args.replicas)
+    except ConfigError as e:
+        raise error(str(e)) from None
+    pool = with_cli_options(pool, args, error)
     try:
         service = Service(pool, host=args.host, port=args.port,
                           drain_timeout_s=args.drain_timeout)

@@ -16,21 +16,16 @@ GRACE_S = 5.0  # open Envoy streams get this long to finish on SIGTERM
 
 async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.service import ConfigError, load_pool
+    from duetime.service.cli import with_cli_options
     from duetime.service.epp import PickerService
     from duetime.serving.server import ServeError, shutdown_signals
 
     started = time.perf_counter()
     try:
         pool = load_pool(args.config)
-        if args.policy or args.policy_param:
-            name = args.policy or pool.policy
-            params = dict(pool.policy_params) if name == pool.policy else {}
-            params.update(dict(args.policy_param or ()))
-            pool = pool.with_policy(name, params)
-        if args.store is not None:
-            pool = pool.with_store(args.store)
     except ConfigError as e:
         raise error(str(e)) from None
+    pool = with_cli_options(pool, args, error)
     tls = None
     if args.tls_cert or args.tls_key:
         if not (args.tls_cert and args.tls_key):
