@@ -2,11 +2,17 @@
 # System packages the test suite needs, installed when missing (Debian/Ubuntu, apt-get):
 #   redis-server  a real Redis for the gateway replicas' shared store (tests start their own
 #                 on a loopback port; the system service is not used).
+#   chromium      a real browser for the pages' tests (tests/browser: Playwright drives this
+#                 executable headless; Playwright's own browser download is not used), with
+#                 fonts-liberation so that the screenshots have readable text.
 # Does nothing when every one is already on PATH. Needs root (or sudo) only when it installs.
 set -euo pipefail
 
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    need+=(chromium fonts-liberation)
+fi
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
 fi

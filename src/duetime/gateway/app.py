@@ -16,12 +16,12 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from duetime.engine.warmup import warm_up
 from duetime.gateway.admin import admin_routes
@@ -33,6 +33,7 @@ from duetime.gateway.inflight import FlightStore, MemoryStore
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.openapi import openapi_document
+from duetime.gateway.pages import page_routes
 from duetime.gateway.pollers import Pollers
 from duetime.gateway.ratelimit import Limiter
 from duetime.gateway.ratelimit_redis import RedisLimitStore
@@ -186,10 +187,12 @@ class Gateway:
 
     # -- the app ----------------------------------------------------------------------------------
 
-    def app(self) -> FastRoutes:
+    def app(self, routes: Sequence[BaseRoute] = ()) -> FastRoutes:
         """The ASGI app: the completion routes as raw ASGI endpoints (past Starlette's
-        middleware), the admin routes and ``/openapi.json`` through Starlette, whose errors
-        (404, 405, 500) are OpenAI JSON too; its lifespan starts and closes the gateway."""
+        middleware), the admin routes, the pages (:mod:`duetime.gateway.pages`) and
+        ``/openapi.json`` through Starlette, whose errors (404, 405, 500) are OpenAI JSON too;
+        its lifespan starts and closes the gateway. ``routes``: more routes from a higher layer
+        (``duetime serve`` adds the simulator's demo: :mod:`duetime.service.demo`)."""
         gw = self
 
         @contextlib.asynccontextmanager
@@ -203,7 +206,8 @@ class Gateway:
         limits = self.pool.limits
         chat = CompletionEndpoint(functools.partial(self.serve, chat=True), limits)
         completions = CompletionEndpoint(functools.partial(self.serve, chat=False), limits)
-        app = Starlette(routes=admin_routes(self), lifespan=lifespan,
+        app = Starlette(routes=[*admin_routes(self), *page_routes(), *routes],
+                        lifespan=lifespan,
                         exception_handlers=exception_handlers())
         app.state.gateway = self
         fast = {"/v1/chat/completions": chat, "/v1/completions": completions}

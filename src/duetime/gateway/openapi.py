@@ -182,8 +182,8 @@ def openapi_document(routes: list[Any], tasks: list[str] | None = None) -> dict[
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         path = getattr(route, "path", None)
-        if path is None:
-            continue
+        if path is None or not getattr(route, "include_in_schema", False):
+            continue  # (pages and event streams: docs/gateway.md describes them)
         path = _PARAM.sub(r"{\1}", path)
         described = PATHS.get(path)
         methods = sorted(m.lower() for m in getattr(route, "methods", None) or ["GET"]
