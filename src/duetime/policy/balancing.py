@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest
+from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
 from duetime.policy.registry import METRICS
 
 
@@ -21,6 +21,13 @@ class RoundRobin(Policy):
         self._cursor += 1
         return Decision(i)
 
+    def peek(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        return Decision(self._cursor % len(cands))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        return Described({}, rule="the cursor's turn (it weighs nothing)")
+
 
 class ShortestQueue(Policy):
     """Fewest resident requests (running + waiting); random tie-break."""
@@ -32,6 +39,12 @@ class ShortestQueue(Policy):
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         load = np.array([c.view.num_running + c.view.num_waiting for c in cands])
         return Decision(self._argmax_random(-load))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        load = [c.view.num_running + c.view.num_waiting for c in cands]
+        return Described({"score": load}, "load (running + waiting)", "lower",
+                         "the fewest resident requests (running + waiting); ties at random")
 
 
 def load_aware_score(waiting: int) -> float:
@@ -50,3 +63,10 @@ class LoadAware(Policy):
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         scores = np.array([load_aware_score(c.view.num_waiting) for c in cands])
         return Decision(self._argmax_random(scores))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        return Described({"score": [load_aware_score(c.view.num_waiting) for c in cands]},
+                         "load-aware score", "higher",
+                         "the best load-aware score (0.5 with nothing waiting, falling to 0 "
+                         "at 128 waiting); ties at random")

@@ -59,6 +59,19 @@ class Decision:
     forecast: float | None = None
 
 
+@dataclass(slots=True)
+class Described:
+    """What a policy weighed for each candidate (:meth:`Policy.describe`): named columns of
+    per-candidate numbers (``forecast_ttft_s``, ``forecast_e2e_s``, ``utility``, ``score``,
+    ...; ``None`` entries where a number was not made), which column it ranks by and whether
+    higher or lower wins, and the rule that picked the chosen one, in words."""
+
+    columns: dict[str, Sequence[float | bool | None]]
+    score: str | None = None
+    better: str = "higher"
+    rule: str = ""
+
+
 class Candidates(tuple):
     """A fixed candidate list (a tuple of :class:`Candidate`) that keeps what a decision
     derives from it and not from the request: the prices as arrays and the views. A caller that
@@ -111,6 +124,29 @@ class Policy(ABC):
 
     @abstractmethod
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision: ...
+
+    def preview(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        """The choice :meth:`choose` would make now, leaving every later choice as it would
+        have been (a dry run: ``POST /duetime/route``): the tie-break generator is put back,
+        and a policy with memory (a cursor, session bindings, a prefix index it records on)
+        overrides :meth:`peek` to read it without writing."""
+        state = self.rng.bit_generator.state
+        try:
+            return self.peek(req, cands, now)
+        finally:
+            self.rng.bit_generator.state = state
+
+    def peek(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        """:meth:`choose` without its writes (a policy without memory: its class's
+        :meth:`choose`)."""
+        return type(self).choose(self, req, cands, now)
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        """The numbers behind a choice of ``chosen`` among ``cands`` now, for every candidate
+        (an explanation: :mod:`duetime.policy.explain`; it reads, never writes). A policy that
+        weighs nothing (round-robin) has none."""
+        return Described({}, rule=self.summary)
 
     def _argmax_random(self, scores: np.ndarray) -> int:
         best = np.flatnonzero(scores == scores.max())

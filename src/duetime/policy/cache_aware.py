@@ -17,7 +17,7 @@ import numpy as np
 
 from duetime.estimate.prefix_index import PrefixIndex, prefix_index_of
 from duetime.policy.balancing import load_aware_score
-from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest
+from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
 from duetime.policy.registry import METRICS, PREFIX, SEED, Param
 
 
@@ -138,22 +138,41 @@ class PrefixLoad(Policy):
                     out[i] = index.match(h) / len(h)
         return out
 
-    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+    def scorers(self, req: RoutingRequest, cands: list[Candidate],
+                hashes: _Hashes) -> dict[str, np.ndarray]:
+        """Each weighted scorer's weighted scores per candidate (those of weight 0 left
+        out), and their ``score``, the total."""
         indexes = _indexes(cands)
-        hashes = _Hashes(req, self.max_prefix_blocks)
         waiting = np.array([c.view.num_waiting for c in cands], dtype=float)
-        score = np.zeros(len(cands))
+        parts: dict[str, np.ndarray] = {}
         if self.prefix_weight:
-            score += self.prefix_weight * self.prefix_scores(indexes, hashes)
+            parts["prefix"] = self.prefix_weight * self.prefix_scores(indexes, hashes)
         if self.queue_weight:
-            score += self.queue_weight * queue_score(waiting)
+            parts["queue"] = self.queue_weight * queue_score(waiting)
         if self.kv_weight:
-            score += self.kv_weight * (1.0 - np.array([c.view.kv_usage for c in cands]))
+            parts["kv"] = self.kv_weight * (1.0 - np.array([c.view.kv_usage for c in cands]))
         if self.load_weight:
-            score += self.load_weight * np.array([load_aware_score(int(w)) for w in waiting])
-        i = self._argmax_random(score)
-        _record(indexes[i], hashes)
+            parts["load"] = self.load_weight * np.array([load_aware_score(int(w))
+                                                          for w in waiting])
+        parts["score"] = sum(parts.values(), np.zeros(len(cands)))
+        return parts
+
+    def peek(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        hashes = _Hashes(req, self.max_prefix_blocks)
+        return Decision(self._argmax_random(self.scorers(req, cands, hashes)["score"]))
+
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        hashes = _Hashes(req, self.max_prefix_blocks)
+        i = self._argmax_random(self.scorers(req, cands, hashes)["score"])
+        _record(prefix_index_of(cands[i].view), hashes)
         return Decision(i)
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        parts = self.scorers(req, cands, _Hashes(req, self.max_prefix_blocks))
+        return Described({k: v.tolist() for k, v in parts.items()}, "weighted score",
+                         "higher", "the best weighted sum of the scorers (" + ", ".join(
+                             k for k in parts if k != "score") + "); ties at random")
 
 
 CACHE_THRESHOLD = Param("cache-threshold", "cache_threshold", float, 0.3,
@@ -215,27 +234,51 @@ class CacheAware(Policy):
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
 
-    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+    def _inputs(self, req: RoutingRequest, cands: list[Candidate],
+                hashes: _Hashes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per candidate: load (running + waiting), match rate, cached blocks."""
         indexes = _indexes(cands)
-        hashes = _Hashes(req)
         load = np.array([c.view.num_running + c.view.num_waiting for c in cands], dtype=float)
+        rate = np.zeros(len(cands))
+        if req.prompt_tokens > 0:
+            for k, index in enumerate(indexes):
+                if index is not None:
+                    h = hashes(index.block_size)
+                    if len(h):
+                        rate[k] = index.match(h) * index.block_size / req.prompt_tokens
+        size = np.array([0 if x is None else x.cached_blocks() for x in indexes], dtype=float)
+        return load, rate, size
+
+    def _branch(self, load: np.ndarray, rate: np.ndarray) -> str:
         lo, hi = load.min(), load.max()
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            i = self._argmax_random(-load)
-        else:
-            rate = np.zeros(len(cands))
-            if req.prompt_tokens > 0:
-                for k, index in enumerate(indexes):
-                    if index is not None:
-                        h = hashes(index.block_size)
-                        if len(h):
-                            rate[k] = index.match(h) * index.block_size / req.prompt_tokens
-            if rate.max() > self.cache_threshold:
-                i = self._argmax_random(rate)
-            else:
-                size = np.array([0 if x is None else x.cached_blocks() for x in indexes],
-                                dtype=float)
-                smallest = size == size.min()
-                i = self._argmax_random(np.where(smallest, -load, -np.inf))
-        _record(indexes[i], hashes)
-        return Decision(i)
+            return "imbalanced"
+        return "match" if rate.max() > self.cache_threshold else "smallest"
+
+    def peek(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        return self._pick(req, cands, _Hashes(req))
+
+    def _pick(self, req: RoutingRequest, cands: list[Candidate], hashes: _Hashes) -> Decision:
+        load, rate, size = self._inputs(req, cands, hashes)
+        branch = self._branch(load, rate)
+        if branch == "imbalanced":
+            return Decision(self._argmax_random(-load))
+        if branch == "match":
+            return Decision(self._argmax_random(rate))
+        return Decision(self._argmax_random(np.where(size == size.min(), -load, -np.inf)))
+
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        hashes = _Hashes(req)
+        d = self._pick(req, cands, hashes)
+        _record(prefix_index_of(cands[d.index].view), hashes)
+        return d
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        load, rate, size = self._inputs(req, cands, _Hashes(req))
+        rule = {"imbalanced": "loads imbalanced: the least loaded",
+                "match": f"the best prefix match (its rate > {self.cache_threshold:g})",
+                "smallest": "no match above the threshold: the smallest cache (then the "
+                            "least load)"}[self._branch(load, rate)]
+        return Described({"load": load.tolist(), "match_rate": rate.tolist(),
+                          "cached_blocks": size.tolist()}, None, "higher", rule)

@@ -12,6 +12,7 @@ from duetime.estimate.base import Estimator
 from duetime.policy.base import (
     Candidate,
     Decision,
+    Described,
     Policy,
     RoutingRequest,
     utility,
@@ -44,6 +45,12 @@ class LatencyAgnostic(Policy):
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         return Decision(self._argmax_random(utility(req, cands, self.lam)))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        return Described({"utility": utility(req, cands, self.lam).tolist()}, "utility",
+                         "higher", f"the best utility U = quality - {self.lam:g} x cost "
+                         "(micro-USD), whatever the latency")
 
 
 RANKED = Param("ranked", "ranked", int, 1, "1: a tier of replicas (equal utility) is "
@@ -122,6 +129,20 @@ class Feasible(Policy):
                 if forecasts[s] < forecasts[i]:
                     i = s
         return Decision(i, float(forecasts[i]))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        """Every candidate's forecast (the policy itself forecasts lazily, best utility
+        first, and may have skipped some: the same estimator on the same state gives the
+        numbers it would have made)."""
+        f = [self._forecast(req, c, now) for c in cands]
+        ok = [x <= req.ttft_target for x in f]
+        rule = (f"the best utility (U = quality - {self.lam:g} x cost) among the instances "
+                f"whose {self.estimator.name} forecast meets the target" if ok[chosen] else
+                f"no {self.estimator.name} forecast meets the target: the least forecast")
+        return Described({"forecast_ttft_s": f, "feasible": ok,
+                          "utility": utility(req, cands, self.lam).tolist()},
+                         "utility", "higher", rule)
 
     @property
     def uses_load_board(self) -> bool:
@@ -251,3 +272,13 @@ class SoftSfs(Policy):
         score = u - self.delta * np.minimum(f, 1e6) * 1e6
         i = self._argmax_random(score)
         return Decision(i, float(f[i]))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        u = utility(req, cands, self.lam)
+        f = np.array([self.estimator.ttft(c.view, req.prompt_tokens, now,
+                                          hashes=req.prompt_hashes) for c in cands])
+        score = u - self.delta * np.minimum(f, 1e6) * 1e6
+        return Described({"forecast_ttft_s": f.tolist(), "utility": u.tolist(),
+                          "score": score.tolist()}, "U - delta x TTFT", "higher",
+                         f"the best U - {self.delta:g} x forecast TTFT (microseconds)")

@@ -19,7 +19,7 @@ import numpy as np
 
 from duetime.estimate import LaarLatency, SfsEstimator
 from duetime.policy.balancing import LoadAware
-from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest
+from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
 from duetime.policy.registry import METRICS, OUTPUT_LENGTH, SEED, SNAPSHOT, SUCCESS, Param
 
 ATTEMPTED_PENALTY = 100.0  # LAAR: cost multiplier for a model already tried for the request
@@ -49,6 +49,25 @@ class SessionAffinity(Policy):
         d = self._first.choose(req, cands, now)
         if req.session is not None:
             self.bindings[req.session] = cands[d.index].name
+        return d
+
+    def _bound(self, req: RoutingRequest, cands: list[Candidate]) -> int | None:
+        """The candidate the request's session is bound to, if it is one of them."""
+        bound = None if req.session is None else self.bindings.get(req.session)
+        names = [c.name for c in cands]
+        return names.index(bound) if bound in names else None
+
+    def peek(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        i = self._bound(req, cands)
+        return Decision(i) if i is not None else self._first.preview(req, cands, now)
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        d = self._first.describe(req, cands, now, chosen)
+        if self._bound(req, cands) == chosen:
+            d.rule = f"the instance session {req.session!r} is bound to"
+        else:
+            d.rule = "a session's first request: " + d.rule
         return d
 
 
@@ -99,6 +118,18 @@ class Laar(Policy):
                 cost[i] *= ATTEMPTED_PENALTY
         return Decision(self._argmax_random(-cost))
 
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        assert req.success is not None
+        lat = [self.latency.latency(c.view, req.prompt_tokens, float(req.output_tokens[i]))
+               for i, c in enumerate(cands)]
+        score = [x / max(float(q), 1e-6) * (ATTEMPTED_PENALTY if c.model in req.attempted
+                                              else 1.0)
+                 for x, q, c in zip(lat, req.success, cands, strict=True)]
+        return Described({"latency_proxy": lat, "score": score}, "L/Q", "lower",
+                         f"the least L/Q, L = c(m) (T(x) + {self.alpha:g} R(m)); models "
+                         f"already attempted pay x{ATTEMPTED_PENALTY:g}")
+
 
 class ExpectedTtca(Policy):
     """``ttca``: argmin over models not yet attempted of L/Q, with L the engine's end-to-end
@@ -127,3 +158,16 @@ class ExpectedTtca(Policy):
         score = np.where(fresh, lat / q, np.inf)
         i = int(np.argmin(score))
         return Decision(i, float(lat[i]))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        assert req.success is not None
+        lat = [self.estimator.e2e(c.view, req.prompt_tokens, int(req.output_tokens[i]), now,
+                                  hashes=req.prompt_hashes) for i, c in enumerate(cands)]
+        fresh = [c.model not in req.attempted for c in cands]
+        score = [x / max(float(q), 1e-6) if f else None
+                 for x, q, f in zip(lat, req.success, fresh, strict=True)]
+        rule = ("the least expected time to a correct answer, L/Q, among the models not yet "
+                "attempted (L: the engine's end-to-end forecast)" if any(fresh) else
+                "every model attempted: the least end-to-end forecast")
+        return Described({"forecast_e2e_s": lat, "score": score}, "L/Q", "lower", rule)
