@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from duetime.gateway.dashboard import dashboard_routes
 from duetime.serving.errors import ApiError
 
 if TYPE_CHECKING:
@@ -72,4 +73,6 @@ def admin_routes(gw: Gateway) -> list[Route]:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/duetime/instances", instances, methods=["GET"]),
+        Route("/duetime/route", gw.dry_run, methods=["POST"]),
+        *dashboard_routes(gw),
     ])

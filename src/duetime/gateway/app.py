@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import math
 import time
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from duetime.engine.warmup import warm_up
@@ -32,6 +33,7 @@ from duetime.gateway.health import EjectionBudget
 from duetime.gateway.inflight import FlightStore, MemoryStore
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.observatory import Observatory
 from duetime.gateway.openapi import openapi_document
 from duetime.gateway.pages import page_routes
 from duetime.gateway.pollers import Pollers
@@ -86,9 +88,13 @@ class Gateway:
                                         self.shared)
                           for i in pool.instances]
         self.upstream: Upstream | None = None
-        self.relay = Relay(pool, self.metrics, self._http)
+        self.observatory = Observatory([s.name for s in self.instances])
+        self.relay = Relay(pool, self.metrics, self._http, self.observatory)
         self.router = Router(pool, self.policy, self.instances, self.metrics, self.relay,
-                             self.queue)
+                             self.queue, self.observatory)
+        if self.shared is not None:
+            self.router.bindings = self.shared.bindings
+        self.draining = asyncio.Event()  # set when the server stops: event streams end
         needs = self.policy.consumes
         src = pool.state.source
         self.pollers = Pollers(
@@ -114,7 +120,13 @@ class Gateway:
             if s.events is not None:
                 s.events.start()
 
+    def drain(self) -> None:
+        """The server is stopping: the dashboard's event streams end (an endless stream would
+        hold the drain to its timeout)."""
+        self.draining.set()
+
     async def close(self) -> None:
+        self.drain()
         await self.pollers.stop()
         if self.shared is not None:
             await self.shared.close()
@@ -150,6 +162,7 @@ class Gateway:
             grant = await self.auth.admit(key, req.model, req.prompt_tokens)
             send = grant.wrap(send)
             ctl = router.controls(scope, req.prompt_tokens)
+            router = router.variant(ctl)
             insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,
                                       param="messages" if chat else "prompt")
             status = await router.route(req, ctl, insts, chat, send, t0)
@@ -184,6 +197,30 @@ class Gateway:
         finally:
             grant.settle()
             self.metrics.requests.labels(route, str(status)).inc()
+
+    async def dry_run(self, request: Request) -> Response:
+        """``POST /duetime/route``: a chat or text completion's body and headers, routed
+        without being sent (:meth:`Router.dry_run`); the answer explains the choice. Chat if
+        the body has ``messages``."""
+        t0 = time.monotonic()
+        raw = await request.body()
+        try:
+            self.auth.identify(request.scope)
+            try:
+                chat = "messages" in json.loads(raw)
+            except (ValueError, TypeError):
+                chat = False  # (parse_completion says what is wrong)
+            req = parse_completion(raw, chat=chat)
+            router = self.router
+            req.prompt_tokens = router.count_tokens(req)
+            ctl = router.controls(request.scope, req.prompt_tokens)
+            router = router.variant(ctl)
+            insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,
+                                      param="messages" if chat else "prompt")
+            out = router.dry_run(router.plan(req, ctl), ctl, insts, t0)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(out)
 
     # -- the app ----------------------------------------------------------------------------------
 

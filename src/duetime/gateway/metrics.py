@@ -113,6 +113,10 @@ class GatewayMetrics:
         self.store_remote = Gauge("duetime_in_flight_remote",
                                   "Upstream requests in flight that other replicas dispatched, "
                                   "as last synced.", ["instance"], registry=r)
+        self.dashboard = Counter("duetime_dashboard_seconds",
+                                 "Time spent building the dashboard's updates (CPU on the "
+                                 "event loop; one build per tick however many watch).",
+                                 registry=r)
         self.state_source = Counter("duetime_state_reads",
                                     "Instance state reads for routing by source (published, "
                                     "shadow, metrics).", ["instance", "source"], registry=r)

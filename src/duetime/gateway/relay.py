@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from duetime.gateway.config import Pool
 from duetime.gateway.inflight import Flight
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.observatory import Observatory
 from duetime.gateway.reassembly import Reassembly
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.serving.asgi import Send, send_json
@@ -69,6 +70,9 @@ class Controls:
     priority: str = "standard"
     tpot_target_s: float | None = None
     client: str = ""
+    explain: bool = False  # x-duetime-explain: the decision's explanation in a header
+    policy: str | None = None  # x-duetime-policy: another registered policy for this one
+    lam: float | None = None  # x-duetime-lambda: its lambda
 
 
 @dataclass(slots=True)
@@ -86,17 +90,21 @@ class _Stream:
 class Relay:
     """Runs attempts against the upstream client (``upstream()`` gives the started one)."""
 
-    def __init__(self, pool: Pool, metrics: GatewayMetrics, upstream) -> None:
+    def __init__(self, pool: Pool, metrics: GatewayMetrics, upstream,
+                 observatory: Observatory | None = None) -> None:
         self.pool = pool
         self.metrics = metrics
+        self.observatory = observatory
         self._upstream = upstream
         self._headers: dict[str, str] = {"content-type": "application/json"}
 
     async def attempt(self, inst: InstanceState, flight: Flight, path: str, payload: bytes,
                       req: CompletionRequest, ctl: Controls, chat: bool, send: Send,
-                      t0: float, rid: str, attempt: int) -> int:
+                      t0: float, rid: str, attempt: int,
+                      extra: Sequence[tuple[bytes, bytes]] = ()) -> int:
         """Run one attempt to its end; returns the HTTP status answered (200). Raises
-        :class:`AttemptFailed` (retriable) or :class:`Passthrough` (a 4xx to relay)."""
+        :class:`AttemptFailed` (retriable) or :class:`Passthrough` (a 4xx to relay).
+        ``extra``: more response headers (the decision's explanation)."""
         upstream: Upstream = self._upstream()
         st = _Stream()
         resp: aiohttp.ClientResponse | None = None
@@ -135,7 +143,7 @@ class Relay:
                        (b"x-duetime-instance", inst.name.encode()),
                        (b"x-duetime-ttft-target-ms", f"{ctl.target_s * 1000:.1f}".encode()),
                        (b"x-duetime-attempts", str(attempt).encode()),
-                       (b"x-request-id", rid.encode())]
+                       (b"x-request-id", rid.encode()), *extra]
             if flight.forecast is not None and math.isfinite(flight.forecast):
                 headers.append((b"x-duetime-forecast-ttft-ms",
                                 f"{flight.forecast * 1000:.1f}".encode()))
@@ -240,6 +248,11 @@ class Relay:
         ttft = t_first - t0
         m.ttft.labels(inst.name).observe(ttft)
         m.target.labels(inst.name, "on_time" if ttft <= ctl.target_s else "late").inc()
+        forecast = (flight.forecast if flight.forecast is not None
+                    and math.isfinite(flight.forecast) else None)
+        if self.observatory is not None:
+            self.observatory.first_token(flight.id, inst.name, ttft, ctl.target_s, forecast,
+                                         t_first - flight.dispatched, t_first)
         if flight.forecast is not None and math.isfinite(flight.forecast):
             observed = t_first - flight.dispatched
             m.forecast_error.labels(inst.name).observe(observed - flight.forecast)

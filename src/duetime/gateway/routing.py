@@ -12,13 +12,17 @@ predictor with the table as fallback) only when consumed, and left ``None`` othe
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
 import math
 import secrets
 import time
+from collections import OrderedDict
+from collections.abc import MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,9 +32,12 @@ from duetime.gateway.config import Pool
 from duetime.gateway.inflight import Flight
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.observatory import Decision, Observatory
 from duetime.gateway.prompt_tokens import PromptTokenizer
 from duetime.gateway.relay import AttemptFailed, Controls, Passthrough, Relay
+from duetime.policy import make_policy, policy_names
 from duetime.policy.base import Policy, RoutingRequest
+from duetime.policy.explain import explain as explain_decision
 from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, SUCCESS
 from duetime.predict.quality_source import QualitySource, Query, TaskTable
 from duetime.serving.asgi import Scope, Send, header, send_json
@@ -41,6 +48,30 @@ from duetime.serving.requests import CompletionRequest, prompt_texts
 log = logging.getLogger("duetime.gateway")
 
 MEAN_TASK = "*"  # no task given and no default: each model's mean quality over the tasks
+MAX_VARIANTS = 32  # routers kept for requests that ask for another policy or lambda
+EXPLAIN_HEADER_BYTES = 8192  # the x-duetime-explain header's size at most
+
+
+def explain_header(explanation: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """The ``x-duetime-explain`` response header: the explanation as compact JSON. Past
+    ``EXPLAIN_HEADER_BYTES`` (a pool of many instances) only the chosen candidate and the best
+    others by the policy's score are kept, and ``"truncated"`` says how many were left out
+    (``POST /duetime/route`` has them all)."""
+    def encode(e: dict[str, Any]) -> bytes:
+        return json.dumps(e, separators=(",", ":")).encode()
+
+    raw = encode(explanation)
+    cands = explanation["candidates"]
+    keep = len(cands)
+    while len(raw) > EXPLAIN_HEADER_BYTES and keep > 1:
+        keep //= 2
+        sign = -1 if explanation.get("better") == "lower" else 1
+        ranked = sorted(cands, key=lambda c: (not c["chosen"],
+                                              -sign * (c["score"] if c["score"] is not None
+                                                       else c["utility"] or 0.0)))
+        raw = encode({**explanation, "candidates": ranked[:keep],
+                      "truncated": len(cands) - keep})
+    return [(b"x-duetime-explain", raw)]
 
 def _milliseconds(scope: Scope, name: bytes) -> float | None:
     """A header's value in milliseconds, in (0, 3600000] (400 otherwise); None if absent."""
@@ -76,12 +107,13 @@ class Plan:
 class Choice:
     """A routing decision (:meth:`Router.choose`): the instance, the policy's TTFT forecast
     for it (if it made one), the TTFT target the policy saw, whether the choice fails open
-    (none of the candidates in rotation)."""
+    (none of the candidates in rotation), and its explanation when one was asked for."""
 
     inst: InstanceState
     forecast: float | None
     target_s: float
     failing_open: bool = False
+    explanation: dict | None = None  # (:mod:`duetime.policy.explain`), where asked for
 
 
 class Router:
@@ -89,9 +121,15 @@ class Router:
 
     def __init__(self, pool: Pool, policy: Policy, instances: list[InstanceState],
                  metrics: GatewayMetrics, relay: Relay,
-                 queue: AdmissionQueue | None = None) -> None:
-        """``queue``: where critical requests wait (none: they go to the best forecast)."""
+                 queue: AdmissionQueue | None = None,
+                 observatory: Observatory | None = None) -> None:
+        """``queue``: where critical requests wait (none: they go to the best forecast);
+        ``observatory``: where the dashboard's history is kept (none: not kept)."""
         self.queue = queue
+        self.observatory = observatory
+        self.variants: OrderedDict[tuple[str, float | None], Router] = OrderedDict()
+        # (session bindings shared between replicas, for a session-affinity variant)
+        self.bindings: MutableMapping[str, str] | None = None
         self.pool = pool
         self.policy = policy
         self.consumes = policy.consumes
@@ -155,8 +193,69 @@ class Router:
                            f"{', '.join(self.tasks)}", param="x-duetime-task",
                            code="invalid_header")
         client = scope.get("duetime.client") or (scope.get("client") or ("",))[0]
+        explain = (header(scope, b"x-duetime-explain") or "").strip().lower() in (
+            "1", "true", "yes")
+        policy, lam = self._policy_headers(scope)
         return Controls(target_ms / 1000.0, attempted, session or None, task, priority,
-                        None if tpot_ms is None else tpot_ms / 1000.0, str(client))
+                        None if tpot_ms is None else tpot_ms / 1000.0, str(client), explain,
+                        policy, lam)
+
+    def _policy_headers(self, scope: Scope) -> tuple[str | None, float | None]:
+        """``x-duetime-policy`` (a registered policy's name) and ``x-duetime-lambda`` (its
+        lambda, >= 0): this request routed by another policy than the pool's (400 on a bad
+        value)."""
+        name = header(scope, b"x-duetime-policy")
+        if name is not None:
+            name = name.strip()
+            if name not in policy_names():
+                raise ApiError(400, f"x-duetime-policy: unknown policy {name[:40]!r}; known: "
+                               f"{', '.join(policy_names())}", param="x-duetime-policy",
+                               code="invalid_header")
+        raw = header(scope, b"x-duetime-lambda")
+        lam = None
+        if raw is not None:
+            try:
+                lam = float(raw)
+            except ValueError:
+                lam = math.nan
+            if not (math.isfinite(lam) and 0 <= lam <= 1e6):
+                raise ApiError(400, f"x-duetime-lambda must be a number in [0, 1e6], got "
+                               f"{raw[:40]!r}", param="x-duetime-lambda",
+                               code="invalid_header")
+        return name, lam
+
+    def variant(self, ctl: Controls) -> Router:
+        """The router for a request: this one, or (``x-duetime-policy`` / ``x-duetime-lambda``)
+        one that shares everything with it but its policy (kept for the next requests that
+        ask for the same; at most ``MAX_VARIANTS``, the least recently used dropped)."""
+        if ctl.policy is None and ctl.lam is None:
+            return self
+        name = ctl.policy or self.pool.policy
+        key = (name, ctl.lam)
+        found = self.variants.get(key)
+        if found is not None:
+            self.variants.move_to_end(key)
+            return found
+        pool = self.pool
+        params = dict(pool.policy_params) if name == pool.policy else {}
+        defaults = {"lambda": pool.lam if ctl.lam is None else ctl.lam, "seed": pool.seed,
+                    "delta": pool.delta, "alpha": pool.alpha}
+        if ctl.lam is not None:
+            params.pop("lambda", None)
+            params.pop("lam", None)
+        policy = make_policy(name, params, defaults=defaults)
+        if self.bindings is not None and hasattr(policy, "bindings"):
+            policy.bindings = self.bindings
+        v = copy.copy(self)
+        v.policy = policy
+        v.consumes = policy.consumes
+        v.load = METRICS in v.consumes
+        v.fresh = SNAPSHOT in v.consumes or v.load
+        v.variants = OrderedDict()
+        self.variants[key] = v
+        while len(self.variants) > MAX_VARIANTS:
+            self.variants.popitem(last=False)
+        return v
 
     def candidates(self, model: str | None, prompt_tokens: int, max_tokens: int | None, *,
                    param: str = "messages") -> list[InstanceState]:
@@ -282,17 +381,16 @@ class Router:
                     predicted if req.max_tokens else 1 << 30, quality, success, lengths,
                     KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size)))
 
-    def choose(self, plan: Plan, ctl: Controls, cands: list[InstanceState],
-               t0: float) -> Choice:
-        """The policy's choice among ``cands`` now (their state brought to now first, for a
-        policy that reads it). Changes nothing but the replicas' clocks: no dispatch."""
-        now = time.monotonic()
+    def _routing_request(self, plan: Plan, ctl: Controls, cands: list[InstanceState],
+                         t0: float, now: float) -> RoutingRequest:
+        """What the policy is told of the request (the candidates' state brought to ``now``
+        first, for a policy that reads it)."""
         if self.fresh:
             for s in cands:
                 s.refresh(now)
         quality, success, lengths = plan.quality, plan.success, plan.lengths
         predicted = plan.predicted
-        rr = RoutingRequest(
+        return RoutingRequest(
             plan.rid, plan.req.prompt_tokens,
             None if quality is None else np.array([quality[c.model] for c in cands]),
             np.array([predicted if lengths is None else
@@ -301,8 +399,47 @@ class Router:
             max(0.0, ctl.target_s - (now - t0)), ctl.task, ctl.session, ctl.attempted,
             None if success is None else np.array([success[c.model] for c in cands]),
             plan.keys)
-        decision = self.policy.choose(rr, [c.candidate for c in cands], now)
-        return Choice(cands[decision.index], decision.forecast, rr.ttft_target)
+
+    def choose(self, plan: Plan, ctl: Controls, cands: list[InstanceState], t0: float, *,
+               explain: bool = False) -> Choice:
+        """The policy's choice among ``cands`` now (their state brought to now first, for a
+        policy that reads it), with its explanation if ``explain`` (or if a dashboard wants
+        one now). Changes nothing but the replicas' clocks: no dispatch."""
+        now = time.monotonic()
+        rr = self._routing_request(plan, ctl, cands, t0, now)
+        options = [c.candidate for c in cands]
+        decision = self.policy.choose(rr, options, now)
+        choice = Choice(cands[decision.index], decision.forecast, rr.ttft_target)
+        if explain or (self.observatory is not None
+                       and self.observatory.wants_explanation(now)):
+            choice.explanation = explain_decision(self.policy, rr, options, now, decision)
+        return choice
+
+    def dry_run(self, plan: Plan, ctl: Controls, insts: list[InstanceState],
+                t0: float) -> dict[str, Any]:
+        """``POST /duetime/route``: the choice the policy would make now among the
+        instances in rotation, explained, with nothing dispatched and no later choice
+        changed (:meth:`Policy.preview`); the instances out of rotation are listed."""
+        cands, failing_open = self.rotation(insts, set())
+        if not cands:
+            raise self.exhausted(plan.req, [], plan.rid)
+        now = time.monotonic()
+        rr = self._routing_request(plan, ctl, cands, t0, now)
+        options = [c.candidate for c in cands]
+        decision = self.policy.preview(rr, options, now)
+        out = explain_decision(self.policy, rr, options, now, decision)
+        forecast = decision.forecast
+        out["admission"] = (
+            "on_time" if forecast is None or not math.isfinite(forecast)
+            or forecast <= rr.ttft_target else
+            {"sheddable": "shed", "critical": "queued"}.get(ctl.priority, "late"))
+        out["failing_open"] = failing_open
+        out["out_of_rotation"] = [{"instance": s.name, "model": s.model,
+                                   "reason": s.health.last_error or "ejected"}
+                                  for s in insts if s not in cands]
+        out["task"] = None if ctl.task == MEAN_TASK else ctl.task
+        out["request_target_ms"] = round(ctl.target_s * 1e3, 3)
+        return out
 
     def exhausted(self, req: CompletionRequest, errors: list[str], rid: str) -> ApiError:
         """No candidate left: 503 before any attempt, 502 after failed ones."""
@@ -325,7 +462,7 @@ class Router:
             cands, failing_open = self.rotation(insts, set())
             if not cands:
                 raise self.exhausted(plan.req, [], plan.rid)
-            choice = self.choose(plan, ctl, cands, t0)
+            choice = self.choose(plan, ctl, cands, t0, explain=ctl.explain)
             choice.failing_open = failing_open
             if await self._admit(choice.forecast, choice.target_s, ctl, waited):
                 return choice
@@ -342,8 +479,16 @@ class Router:
         self.metrics.decisions.labels(inst.name, inst.model).inc()
         self.metrics.state_source.labels(inst.name, inst.source(self.load)).inc()
         cfg = inst.instance.config
-        return inst.dispatch(f"{plan.rid}-{attempt}", plan.req.prompt_tokens, plan.predicted,
-                             time.monotonic(), choice.forecast,
+        fid = f"{plan.rid}-{attempt}"
+        now = time.monotonic()
+        if self.observatory is not None:
+            f = choice.forecast
+            self.observatory.decided(Decision(
+                fid, time.time(), inst.name, inst.model, self.policy.name,
+                None if f is None or not math.isfinite(f) else round(f * 1e3, 3),
+                round(choice.target_s * 1e3, 3), attempt, choice.explanation), now)
+        return inst.dispatch(fid, plan.req.prompt_tokens, plan.predicted, now,
+                             choice.forecast,
                              plan.keys(cfg.block_size) if cfg.enable_prefix_caching else None)
 
     # -- choose and relay ---------------------------------------------------------------------------
@@ -373,7 +518,7 @@ class Router:
                                        else ([], False))
                 if not cands:
                     raise self.exhausted(req, errors, rid)
-                choice = self.choose(plan, ctl, cands, t0)
+                choice = self.choose(plan, ctl, cands, t0, explain=ctl.explain)
                 choice.failing_open = failing_open
             inst = choice.inst
             tried.add(inst.name)
@@ -383,8 +528,10 @@ class Router:
             if attempt == 1:
                 self.metrics.overhead.observe(time.monotonic() - t0)
             try:
+                extra = (explain_header(choice.explanation)
+                         if ctl.explain and choice.explanation is not None else ())
                 status = await self.relay.attempt(inst, flight, path, json.dumps(body).encode(),
-                                                  req, ctl, chat, send, t0, rid, attempt)
+                                                  req, ctl, chat, send, t0, rid, attempt, extra)
                 self._tpot_outcome(ctl, flight)
                 return status
             except AttemptFailed as e:

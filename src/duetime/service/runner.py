@@ -52,7 +52,7 @@ class Service:
             self.gateway = Gateway(self.pool, host=self.host)
             self.server = AppServer(self.gateway.app(), host=self.host, sock=sock,
                                     graceful_timeout_s=self.drain_timeout_s,
-                                    limits=self.pool.limits)
+                                    limits=self.pool.limits, on_stop=self.gateway.drain)
             await self.server.start()
         except BaseException:
             sock.close()

@@ -78,9 +78,12 @@ class AppServer:
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
                  graceful_timeout_s: float | None = None, sock: socket.socket | None = None,
-                 limits: LimitsSpec = DEFAULT_LIMITS, **uvicorn_kw: Any) -> None:
+                 limits: LimitsSpec = DEFAULT_LIMITS,
+                 on_stop: Callable[[], None] | None = None, **uvicorn_kw: Any) -> None:
         """``sock``: an already bound socket (see :func:`bind`) instead of host and port;
-        ``graceful_timeout_s``: the drain timeout of :meth:`stop` (None: no limit)."""
+        ``graceful_timeout_s``: the drain timeout of :meth:`stop` (None: no limit);
+        ``on_stop``: called when :meth:`stop` begins (the app ends its endless streams)."""
+        self.on_stop = on_stop
         self.host = host
         self.sock = sock if sock is not None else bind(host, port)
         self.port = int(self.sock.getsockname()[1])
@@ -117,6 +120,8 @@ class AppServer:
             return 0
         task = self._task
         self.server.should_exit = True
+        if self.on_stop is not None:
+            self.on_stop()
         if force:
             self.server.force_exit = True
         cut = 0

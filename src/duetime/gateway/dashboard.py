@@ -1,0 +1,120 @@
+"""The dashboard's data: ``GET /duetime/dashboard`` (the state now, JSON) and
+``GET /duetime/dashboard/events`` (the same as server-sent events, one a second by default,
+the first at once), which the ``/dashboard`` page reads.
+
+The state: per instance its model, health, running and waiting requests, KV use, in-flight
+attempts, the TTFT forecast a reference probe (``PROBE_TOKENS`` prompt tokens) would get now,
+and its last minute (first tokens, share on time, median forecast error); the last two minutes
+as per-second series; the latest decisions with their explanations
+(:mod:`duetime.gateway.observatory`). One state is built per tick however many dashboards
+watch; the time spent building them is ``duetime_dashboard_seconds_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from duetime.estimate import SfsEstimator
+from duetime.serving.errors import ApiError
+
+if TYPE_CHECKING:
+    from duetime.gateway.app import Gateway
+
+PROBE_TOKENS = 512  # the reference probe's prompt
+RECENT = 20  # decisions sent per update
+SHARED_S = 0.25  # a state younger than this is sent again rather than built again
+
+
+class DashboardFeed:
+    """Builds the dashboard's state for a gateway, at most once per ``SHARED_S``."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.estimator = SfsEstimator()
+        self._state: bytes = b""
+        self._built = -math.inf
+
+    def state(self) -> dict[str, Any]:
+        gw = self.gw
+        obs = gw.observatory
+        now = time.monotonic()
+        wall = time.time()
+        cards = []
+        for s in gw.instances:
+            s.refresh(now)
+            probe = self.estimator.ttft(s, PROBE_TOKENS, now)
+            cards.append({
+                "name": s.name, "model": s.model, "healthy": s.healthy,
+                "last_error": s.health.last_error or None,
+                "running": s.num_running, "waiting": s.num_waiting,
+                "kv_usage": round(s.kv_usage, 4), "in_flight": len(s.flights),
+                "probe_ttft_ms": round(probe * 1e3, 3) if math.isfinite(probe) else None,
+                **obs.minute(s.name, now)})
+        return {"t": round(wall, 3), "policy": gw.pool.policy, "probe_tokens": PROBE_TOKENS,
+                "instances": cards, "series": obs.series(wall),
+                "decisions": [d.as_dict() for d in list(obs.recent)[-RECENT:]][::-1]}
+
+    def encoded(self) -> bytes:
+        """The state as one server-sent event (shared by the watchers of one tick)."""
+        t = time.perf_counter()
+        if t - self._built >= SHARED_S:
+            self._state = b"data: " + json.dumps(self.state(), separators=(",", ":")
+                                                 ).encode() + b"\n\n"
+            self._built = time.perf_counter()
+            self.gw.metrics.dashboard.inc(self._built - t)
+        return self._state
+
+
+def _interval(request: Request) -> float:
+    raw = request.query_params.get("interval", "1")
+    try:
+        s = float(raw)
+    except ValueError:
+        s = math.nan
+    if not (math.isfinite(s) and 0.2 <= s <= 10):
+        raise ApiError(400, f"interval must be a number of seconds in [0.2, 10], got "
+                       f"{raw[:40]!r}", param="interval", code="invalid_value")
+    return s
+
+
+def dashboard_routes(gw: Gateway) -> list[Route]:
+    feed = DashboardFeed(gw)
+
+    async def state(request: Request) -> Response:
+        return JSONResponse(feed.state())
+
+    async def events(request: Request) -> Response:
+        try:
+            interval = _interval(request)
+        except ApiError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+
+        async def stream() -> AsyncIterator[bytes]:
+            gw.observatory.watchers += 1
+            try:
+                while True:
+                    yield feed.encoded()
+                    try:  # (the gateway stopping ends the stream: it must not hold the drain)
+                        await asyncio.wait_for(gw.draining.wait(), interval)
+                        return
+                    except TimeoutError:
+                        pass
+            finally:
+                gw.observatory.watchers -= 1
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache",
+                                          "x-accel-buffering": "no"})
+
+    return [Route("/duetime/dashboard", state, methods=["GET"]),
+            Route("/duetime/dashboard/events", events, methods=["GET"],
+                  include_in_schema=False)]

@@ -1,0 +1,144 @@
+"""What the dashboard shows, kept as the gateway works: the latest routing decisions (with
+their explanations, where made), per-second series of requests, TTFT observed and forecast,
+and decisions per instance, and each instance's last minute of first tokens (on time or not,
+forecast error).
+
+Recording is a few appends per request (the dashboard's cost is measured in
+``benchmarks/dashboard_cost.py``); explanations, which forecast every candidate, are made only
+while a dashboard watches, for at most one decision each ``explain_every_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+MINUTE_S = 60.0
+
+
+@dataclass(slots=True)
+class Decision:
+    """One routed attempt, as the dashboard lists it."""
+
+    id: str
+    t: float  # wall clock (s since the epoch)
+    instance: str
+    model: str
+    policy: str
+    forecast_ms: float | None
+    target_ms: float
+    attempt: int
+    explanation: dict[str, Any] | None = None
+    ttft_ms: float | None = None  # arrival to first token, once it came
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "t": round(self.t, 3), "instance": self.instance,
+                "model": self.model, "policy": self.policy, "forecast_ms": self.forecast_ms,
+                "target_ms": self.target_ms, "attempt": self.attempt, "ttft_ms": self.ttft_ms,
+                "on_time": None if self.ttft_ms is None else self.ttft_ms <= self.target_ms,
+                "explanation": self.explanation}
+
+
+@dataclass(slots=True)
+class Second:
+    """What happened in one wall-clock second."""
+
+    t: int
+    decisions: dict[str, int] = field(default_factory=dict)
+    ttft_ms: list[float] = field(default_factory=list)
+    forecast_ms: list[float] = field(default_factory=list)
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+class Observatory:
+    """The gateway's recent history for the dashboard (one per gateway)."""
+
+    def __init__(self, instances: list[str], *, window_s: int = 120, recent: int = 50,
+                 explain_every_s: float = 0.5) -> None:
+        self.instances = list(instances)
+        self.window_s = window_s
+        self.explain_every_s = explain_every_s
+        self.watchers = 0  # dashboards connected (explanations are made only for them)
+        self.recent: deque[Decision] = deque(maxlen=recent)
+        self._by_id: dict[str, Decision] = {}
+        self.seconds: deque[Second] = deque(maxlen=window_s)
+        # per instance: (monotonic time, on time, |forecast - observed| / observed or None)
+        self.firsts: dict[str, deque[tuple[float, bool, float | None]]] = {
+            n: deque(maxlen=10_000) for n in instances}
+        self._last_explained = -1e9
+
+    def wants_explanation(self, now: float) -> bool:
+        """Whether the decision made ``now`` should be explained for the dashboard."""
+        return self.watchers > 0 and now - self._last_explained >= self.explain_every_s
+
+    def _second(self, wall: float) -> Second:
+        t = int(wall)
+        if not self.seconds or self.seconds[-1].t != t:
+            self.seconds.append(Second(t))
+        return self.seconds[-1]
+
+    def decided(self, d: Decision, now: float) -> None:
+        """A routed attempt (``now``: monotonic, for the explanation's pacing)."""
+        if d.explanation is not None:
+            self._last_explained = now
+        if len(self.recent) == self.recent.maxlen:
+            self._by_id.pop(self.recent[0].id, None)
+        self.recent.append(d)
+        self._by_id[d.id] = d
+        counts = self._second(d.t).decisions
+        counts[d.instance] = counts.get(d.instance, 0) + 1
+
+    def first_token(self, fid: str, instance: str, ttft_s: float, target_s: float,
+                    forecast_s: float | None, observed_s: float, now: float) -> None:
+        """An attempt's first token: ``ttft_s`` from the request's arrival, ``observed_s``
+        from its dispatch (what ``forecast_s`` forecast)."""
+        sec = self._second(time.time())
+        sec.ttft_ms.append(ttft_s * 1e3)
+        err = None
+        if forecast_s is not None:
+            sec.forecast_ms.append(forecast_s * 1e3)
+            if observed_s > 0:
+                err = abs(forecast_s - observed_s) / observed_s
+        firsts = self.firsts.get(instance)
+        if firsts is not None:
+            firsts.append((now, ttft_s <= target_s, err))
+        d = self._by_id.get(fid)
+        if d is not None:
+            d.ttft_ms = round(ttft_s * 1e3, 3)
+
+    def minute(self, instance: str, now: float) -> dict[str, Any]:
+        """The instance's last minute: first tokens, the share on time, the median relative
+        forecast error."""
+        firsts = self.firsts.get(instance, deque())
+        while firsts and firsts[0][0] < now - MINUTE_S:
+            firsts.popleft()
+        n = len(firsts)
+        errs = [e for _, _, e in firsts if e is not None]
+        return {"first_tokens_1m": n,
+                "on_time_1m": None if n == 0 else sum(ok for _, ok, _ in firsts) / n,
+                "forecast_error_1m": _median(errs)}
+
+    def series(self, wall: float) -> dict[str, Any]:
+        """The last ``window_s`` seconds, one point a second (gaps filled: 0 requests)."""
+        end = int(wall)
+        start = end - self.window_s + 1
+        by_t = {s.t: s for s in self.seconds if s.t >= start}
+        ts = list(range(start, end + 1))
+        empty = Second(0)
+        secs = [by_t.get(t, empty) for t in ts]
+        return {
+            "t": ts,
+            "requests": [sum(s.decisions.values()) for s in secs],
+            "ttft_p50_ms": [_median(s.ttft_ms) for s in secs],
+            "forecast_p50_ms": [_median(s.forecast_ms) for s in secs],
+            "decisions": {n: [s.decisions.get(n, 0) for s in secs] for n in self.instances},
+        }
