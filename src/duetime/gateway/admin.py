@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from duetime.gateway.dashboard import dashboard_routes
+from duetime.policy import policy_class, policy_names
 from duetime.serving.errors import ApiError
 
 if TYPE_CHECKING:
@@ -67,6 +68,18 @@ def admin_routes(gw: Gateway) -> list[Route]:
         store = ({"kind": "memory"} if gw.shared is None else gw.shared.describe())
         return JSONResponse({"policy": gw.pool.policy, "store": store, "instances": described})
 
+    async def policies(request: Request) -> Response:
+        """What a request may ask for (the playground's choices): the policies
+        (``x-duetime-policy``), the pool's default policy and lambda (``x-duetime-lambda``),
+        its tasks (``x-duetime-task``) and the default TTFT target."""
+        pool = gw.pool
+        return JSONResponse({
+            "default": pool.policy, "lambda": pool.lam, "tasks": list(pool.quality),
+            "default_task": pool.default_task,
+            "policies": [{"name": n, "summary": policy_class(n).summary,
+                          "params": [p.name for p in policy_class(n).params]}
+                         for n in policy_names()]})
+
     return gw.auth.protect([
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
@@ -74,5 +87,6 @@ def admin_routes(gw: Gateway) -> list[Route]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/duetime/instances", instances, methods=["GET"]),
         Route("/duetime/route", gw.dry_run, methods=["POST"]),
+        Route("/duetime/policies", policies, methods=["GET"]),
         *dashboard_routes(gw),
     ])

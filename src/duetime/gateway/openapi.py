@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import duetime
+from duetime.policy import policy_names
 
 _JSON = "application/json"
 _ERROR_REF = {"$ref": "#/components/schemas/Error"}
@@ -71,6 +72,15 @@ SCHEMAS: dict[str, Any] = {
                            "created": {"type": "integer"}, "model": {"type": "string"},
                            "choices": {"type": "array", "items": {"type": "object"}},
                            "usage": _USAGE}},
+    "Explanation": {"type": "object", "required": ["policy", "chosen", "candidates"],
+                    "properties": {
+                        "policy": {"type": "string"}, "chosen": {"type": "string"},
+                        "rule": {"type": "string"}, "admission": {"type": "string"},
+                        "candidates": {"type": "array", "items": {
+                            "type": "object", "required": ["instance", "model", "chosen"],
+                            "properties": {"instance": {"type": "string"},
+                                           "model": {"type": "string"},
+                                           "chosen": {"type": "boolean"}}}}}},
     "Model": {"type": "object", "required": ["id", "object"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"},
         "created": {"type": "integer"}, "owned_by": {"type": "string"},
@@ -102,6 +112,15 @@ def _headers(tasks: list[str]) -> list[dict[str, Any]]:
          "description": "the request's task (a task of the quality table)", "schema": task},
         {"name": "x-session-id", "in": "header", "required": False,
          "schema": {"type": "string"}},
+        {"name": "x-duetime-explain", "in": "header", "required": False,
+         "description": "1: the decision's explanation in the x-duetime-explain response "
+                        "header (JSON)", "schema": {"type": "string", "enum": ["0", "1"]}},
+        {"name": "x-duetime-policy", "in": "header", "required": False,
+         "description": "route this request with another registered policy",
+         "schema": {"type": "string", "enum": list(policy_names())}},
+        {"name": "x-duetime-lambda", "in": "header", "required": False,
+         "description": "the utility's cost weight for this request, in [0, 1e6]",
+         "schema": {"type": "number", "minimum": 0, "maximum": 1e6}},
     ]
 
 
@@ -168,11 +187,27 @@ PATHS: dict[str, dict[str, Any]] = {
         "200": _ok("the policy and the instances", {"type": "object", "properties": {
             "policy": {"type": "string"},
             "instances": {"type": "array", "items": {"type": "object"}}}})}),
+    "/duetime/route": {"post": {
+        "summary": "a dry run: the choice the policy would make for this chat or text "
+                   "completion (chat if the body has messages), explained; nothing is sent",
+        "parameters": [],
+        "requestBody": {"required": True, "content": {_JSON: {"schema": {"oneOf": [
+            {"$ref": "#/components/schemas/ChatCompletionRequest"},
+            {"$ref": "#/components/schemas/CompletionRequest"}]}}}},
+        "responses": {"200": _ok("the explanation", {"$ref": "#/components/schemas/"
+                                                             "Explanation"}),
+                      **{k: v for k, v in _COMPLETION_ERRORS.items()
+                         if k in ("400", "401", "404", "413", "500", "503", "default")}}}},
+    "/duetime/policies": _get("what a request may ask for: the policies, lambda, tasks", {
+        "200": _ok("the choices", {"type": "object"})}),
+    "/duetime/dashboard": _get("the dashboard's state now (its page: /dashboard)", {
+        "200": _ok("instances, per-second series, the latest decisions",
+                   {"type": "object", "required": ["instances", "series", "decisions"]})}),
     "/openapi.json": _get("this document", {
         "200": _ok("an OpenAPI 3.0 document", {"type": "object"})}),
 }
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/duetime/route")
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")  # a Starlette path parameter, {name:convertor}
 
 

@@ -33,7 +33,9 @@ def _banner(service: Any, started: float) -> None:
             '"max_tokens": 16}')
     print(f"try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' "
           f"-d '{body}'", flush=True)
-    print(f"  curl -s {url}/metrics | grep ^duetime_    (Ctrl-C to stop)", flush=True)
+    print(f"  curl -s {url}/metrics | grep ^duetime_", flush=True)
+    print(f"dashboard: {url}/dashboard   playground: {url}/playground   SFS demo: {url}/demo"
+          f"    (Ctrl-C to stop)", flush=True)
 
 
 def with_cli_options(pool: Pool, args: argparse.Namespace, error: type[Exception]) -> Pool:

@@ -69,7 +69,7 @@ const dt = (() => {
       if (k === "class") e.className = v; else if (k === "text") e.textContent = v;
       else if (k.startsWith("on")) e.addEventListener(k.slice(2), v); else e.setAttribute(k, v);
     }
-    for (const k of kids.flat()) if (k !== null && k !== undefined) e.append(k instanceof Node ? k : String(k));
+    for (const k of kids.flat(Infinity)) if (k !== null && k !== undefined) e.append(k instanceof Node ? k : String(k));
     return e;
   }
   const num = (x, d) => (x === null || x === undefined || Number.isNaN(x)) ? "–" :
