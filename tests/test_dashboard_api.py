@@ -130,7 +130,7 @@ def test_the_dashboard_state_follows_the_traffic():
             assert all(i["on_time_1m"] is None or 0 <= i["on_time_1m"] <= 1
                        for i in s["instances"])
             # nobody watched: no decision was explained
-            assert all(d["explanation"] is None for d in s["decisions"])
+            assert not any(d["explained"] for d in s["decisions"]) and s["explained"] == []
     run(go())
 
 
@@ -154,15 +154,18 @@ def test_the_event_stream_updates_explains_while_watched_and_ends_on_stop():
                 await asyncio.sleep(0.05)
             for _ in range(3):
                 await c.post("/v1/chat/completions", json=CHAT)
-                await asyncio.sleep(0.6)  # (explanations: one each 0.5 s at most)
+                await asyncio.sleep(0.3)
             n = len(events)
             while len(events) < n + 2:  # later updates carry the decisions
                 await asyncio.sleep(0.05)
             last = events[-1]
             assert len(last["decisions"]) == 3
-            explained = [d for d in last["decisions"] if d["explanation"] is not None]
+            explained = last["explained"]  # (one decision a second at most, with its numbers)
             assert explained and all(d["explanation"]["chosen"] == d["instance"]
                                      for d in explained)
+            flagged = {d["id"] for d in last["decisions"] if d["explained"]}
+            assert {d["id"] for d in explained} == flagged
+            assert all("explanation" not in d for d in last["decisions"])
             # the server stops with the stream open: the stream ends, nothing is cut
             cut = await asyncio.wait_for(svc.stop(), 20)
             assert cut == 0

@@ -5,8 +5,9 @@ the first at once), which the ``/dashboard`` page reads.
 The state: per instance its model, health, running and waiting requests, KV use, in-flight
 attempts, the TTFT forecast a reference probe (``PROBE_TOKENS`` prompt tokens) would get now,
 and its last minute (first tokens, share on time, median forecast error); the last two minutes
-as per-second series; the latest decisions with their explanations
-(:mod:`duetime.gateway.observatory`). One state is built per tick however many dashboards
+as per-second series; the latest decisions, and the latest explained ones with their
+explanations (:mod:`duetime.gateway.observatory`; while a dashboard watches, one decision a
+second is explained). One state is built per tick however many dashboards
 watch; the time spent building them is ``duetime_dashboard_seconds_total``.
 """
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 PROBE_TOKENS = 512  # the reference probe's prompt
 RECENT = 20  # decisions sent per update
+EXPLAINED = 3  # explained decisions sent per update, with their explanations (the latest)
 SHARED_S = 0.25  # a state younger than this is sent again rather than built again
 
 
@@ -59,9 +61,12 @@ class DashboardFeed:
                 "kv_usage": round(s.kv_usage, 4), "in_flight": len(s.flights),
                 "probe_ttft_ms": round(probe * 1e3, 3) if math.isfinite(probe) else None,
                 **obs.minute(s.name, now)})
+        latest = list(obs.recent)[-RECENT:][::-1]
         return {"t": round(wall, 3), "policy": gw.pool.policy, "probe_tokens": PROBE_TOKENS,
                 "instances": cards, "series": obs.series(wall),
-                "decisions": [d.as_dict() for d in list(obs.recent)[-RECENT:]][::-1]}
+                "decisions": [d.as_dict(explanation=False) for d in latest],
+                "explained": [d.as_dict() for d in latest
+                              if d.explanation is not None][:EXPLAINED]}
 
     def encoded(self) -> bytes:
         """The state as one server-sent event (shared by the watchers of one tick)."""

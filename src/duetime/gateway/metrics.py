@@ -114,8 +114,9 @@ class GatewayMetrics:
                                   "Upstream requests in flight that other replicas dispatched, "
                                   "as last synced.", ["instance"], registry=r)
         self.dashboard = Counter("duetime_dashboard_seconds",
-                                 "Time spent building the dashboard's updates (CPU on the "
-                                 "event loop; one build per tick however many watch).",
+                                 "Time the gateway spent for its dashboards: building their "
+                                 "updates (one per tick however many watch) and explaining "
+                                 "the decisions sampled for them.",
                                  registry=r)
         self.state_source = Counter("duetime_state_reads",
                                     "Instance state reads for routing by source (published, "

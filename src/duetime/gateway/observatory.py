@@ -33,12 +33,15 @@ class Decision:
     explanation: dict[str, Any] | None = None
     ttft_ms: float | None = None  # arrival to first token, once it came
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, *, explanation: bool = True) -> dict[str, Any]:
+        """As JSON data; ``explanation`` False: without its explanation (only whether it
+        has one: the dashboard sends each explanation only while it is among the latest)."""
         return {"id": self.id, "t": round(self.t, 3), "instance": self.instance,
                 "model": self.model, "policy": self.policy, "forecast_ms": self.forecast_ms,
                 "target_ms": self.target_ms, "attempt": self.attempt, "ttft_ms": self.ttft_ms,
                 "on_time": None if self.ttft_ms is None else self.ttft_ms <= self.target_ms,
-                "explanation": self.explanation}
+                "explained": self.explanation is not None,
+                **({"explanation": self.explanation} if explanation else {})}
 
 
 @dataclass(slots=True)
@@ -49,6 +52,16 @@ class Second:
     decisions: dict[str, int] = field(default_factory=dict)
     ttft_ms: list[float] = field(default_factory=list)
     forecast_ms: list[float] = field(default_factory=list)
+    # (requests, TTFT median, forecast median) once the second is over (not computed again)
+    summary: tuple[int, float | None, float | None] | None = None
+
+    def summarized(self, final: bool) -> tuple[int, float | None, float | None]:
+        if self.summary is not None:
+            return self.summary
+        out = (sum(self.decisions.values()), _median(self.ttft_ms), _median(self.forecast_ms))
+        if final:
+            self.summary = out
+        return out
 
 
 def _median(xs: list[float]) -> float | None:
@@ -63,7 +76,7 @@ class Observatory:
     """The gateway's recent history for the dashboard (one per gateway)."""
 
     def __init__(self, instances: list[str], *, window_s: int = 120, recent: int = 50,
-                 explain_every_s: float = 0.5) -> None:
+                 explain_every_s: float = 1.0) -> None:
         self.instances = list(instances)
         self.window_s = window_s
         self.explain_every_s = explain_every_s
@@ -135,10 +148,12 @@ class Observatory:
         ts = list(range(start, end + 1))
         empty = Second(0)
         secs = [by_t.get(t, empty) for t in ts]
+        # (a second's first token may come after it: a second is final 2 s after its end)
+        sums = [s.summarized(s.t < end - 2) for s in secs]
         return {
             "t": ts,
-            "requests": [sum(s.decisions.values()) for s in secs],
-            "ttft_p50_ms": [_median(s.ttft_ms) for s in secs],
-            "forecast_p50_ms": [_median(s.forecast_ms) for s in secs],
+            "requests": [x[0] for x in sums],
+            "ttft_p50_ms": [x[1] for x in sums],
+            "forecast_p50_ms": [x[2] for x in sums],
             "decisions": {n: [s.decisions.get(n, 0) for s in secs] for n in self.instances},
         }

@@ -44,19 +44,21 @@ function series(s, names) {
   }
 }
 
-function decisions(list) {
+const explanations = new Map();  // id -> explanation, as they come (the latest few each update)
+function decisions(list, explained) {
+  for (const d of explained) explanations.set(d.id, d);
+  for (const id of explanations.keys()) if (explanations.size > 200) explanations.delete(id);
   const body = document.querySelector("#decisions tbody");
   body.replaceChildren(...list.map(d => {
-    const tr = dt.el("tr", {"data-id": d.id},
+    const full = explanations.get(d.id);
+    return dt.el("tr", {"data-id": d.id},
       dt.el("td", {class: "l"}, new Date(d.t * 1000).toLocaleTimeString()),
       dt.el("td", {class: "l"}, d.id), dt.el("td", {class: "l"}, d.instance), dt.el("td", {class: "l"}, d.model),
       dt.el("td", {}, dt.ms(d.forecast_ms)), dt.el("td", {}, dt.ms(d.ttft_ms)), dt.el("td", {}, dt.ms(d.target_ms)),
       dt.el("td", {class: d.on_time === null ? null : d.on_time ? "yes" : "no"}, d.on_time === null ? "…" : d.on_time ? "yes" : "no"),
-      dt.el("td", {class: "l"}, d.explanation ? dt.el("a", {href: "#explanation", onclick: () => showExplanation(d)}, "explain") : ""));
-    return tr;
+      dt.el("td", {class: "l"}, full ? dt.el("a", {href: "#explanation", onclick: () => showExplanation(full)}, "explain") : ""));
   }));
-  const latest = list.find(d => d.explanation);
-  if (latest && !pinned) showExplanation(latest, false);
+  if (explained.length && !pinned) showExplanation(explained[0], false);
 }
 
 let pinned = false;
@@ -69,13 +71,14 @@ function showExplanation(d, pin = true) {
 
 function update(state) {
   updates++;
+  if (updates === 1) document.body.dataset.firstUpdateMs = performance.now().toFixed(1);
   document.body.dataset.updates = updates;
   const names = state.instances.map(i => i.name);
   document.getElementById("lead").textContent =
     `Policy ${state.policy}; ${names.length} instances; probe: a ${state.probe_tokens}-token prompt arriving now. Updated ${new Date(state.t * 1000).toLocaleTimeString()}.`;
   document.getElementById("cards").replaceChildren(...state.instances.map(card));
   series(state.series, names);
-  decisions(state.decisions);
+  decisions(state.decisions, state.explained);
 }
 
 dt.events("/duetime/dashboard/events", update, s => dt.status(s));
