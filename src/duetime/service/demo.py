@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -73,12 +73,13 @@ class SimulateIn(BaseModel):
     sweep_rates: list[float] = Field([3.0, 5.0, 6.0, 7.0, 8.0, 9.0], max_length=MAX_SWEEP_RATES)
     sweep_requests: int = Field(300, ge=20, le=MAX_SWEEP_REQUESTS)
 
-    @model_validator(mode="after")
-    def _rates_in_range(self) -> SimulateIn:
-        for r in self.sweep_rates:
+    @field_validator("sweep_rates")
+    @classmethod
+    def _rates_in_range(cls, rates: list[float]) -> list[float]:
+        for r in rates:
             if not 0 < r <= MAX_RATE:
-                raise ValueError(f"sweep_rates: each in (0, {MAX_RATE:g}] q/s, got {r!r}")
-        return self
+                raise ValueError(f"each rate in (0, {MAX_RATE:g}] q/s, got {r!r}")
+        return rates
 
 
 class BatchIn(BaseModel):
