@@ -38,8 +38,10 @@ def chromium_path() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
+    """Per module: Playwright's sync API runs an event loop in the test thread while it is
+    open, so that the other tests' ``asyncio.run`` would fail after it in the same session."""
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=chromium_path(), headless=True,
                               args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])

@@ -10,6 +10,7 @@ from duetime.emulator import Emulator, create_app
 from duetime.engine.profiles import load_profile
 from duetime.gateway.app import Gateway
 from duetime.gateway.config import Pool
+from duetime.service.demo import demo_routes
 from duetime.service.pool import embedded_options
 from duetime.serving.server import AppServer, bind
 
@@ -50,7 +51,9 @@ class Service:
         try:
             await self.start_instances()
             self.gateway = Gateway(self.pool, host=self.host)
-            self.server = AppServer(self.gateway.app(), host=self.host, sock=sock,
+            # the SFS demo's page and routes (/duetime/* needs an admin key where there are)
+            routes = self.gateway.auth.protect(demo_routes(self.pool))
+            self.server = AppServer(self.gateway.app(routes=routes), host=self.host, sock=sock,
                                     graceful_timeout_s=self.drain_timeout_s,
                                     limits=self.pool.limits, on_stop=self.gateway.drain)
             await self.server.start()
