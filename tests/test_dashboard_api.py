@@ -160,7 +160,7 @@ def test_the_event_stream_updates_explains_while_watched_and_ends_on_stop():
                 await asyncio.sleep(0.05)
             last = events[-1]
             assert len(last["decisions"]) == 3
-            explained = last["explained"]  # (one decision a second at most, with its numbers)
+            explained = last["explained"]  # (one each 2 s at most, with its numbers)
             assert explained and all(d["explanation"]["chosen"] == d["instance"]
                                      for d in explained)
             flagged = {d["id"] for d in last["decisions"] if d["explained"]}

@@ -114,10 +114,10 @@ class GatewayMetrics:
                                   "Upstream requests in flight that other replicas dispatched, "
                                   "as last synced.", ["instance"], registry=r)
         self.dashboard = Counter("duetime_dashboard_seconds",
-                                 "Time the gateway spent for its dashboards: building their "
-                                 "updates (one per tick however many watch) and explaining "
-                                 "the decisions sampled for them.",
-                                 registry=r)
+                                 "CPU time the gateway spent for its dashboards, by part: "
+                                 "update (building an update: one per tick however many "
+                                 "watch), explain (explaining the decisions sampled for "
+                                 "them).", ["part"], registry=r)
         self.state_source = Counter("duetime_state_reads",
                                     "Instance state reads for routing by source (published, "
                                     "shadow, metrics).", ["instance", "source"], registry=r)
