@@ -6,7 +6,6 @@ playground's request shows its answer and its explanation; no JavaScript error a
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from playwright.sync_api import Page, expect
@@ -19,22 +18,33 @@ def instances(served: Served) -> list[str]:
     return [i["name"] for i in httpx.get(served.url + "/duetime/instances").json()["instances"]]
 
 
-def traffic(served: Served, n: int, stop: threading.Event) -> threading.Thread:
-    """``n`` chat requests, four at a time, in the background (until ``stop``)."""
-    body = {"model": "auto", "max_tokens": 8,
-            "messages": [{"role": "user", "content": "Tell me about batching. " * 20}]}
+class Traffic:
+    """Chat requests, four at a time, in the background until stopped (``sent``: how many
+    were answered)."""
 
-    def one(_: int) -> None:
-        if not stop.is_set():
-            httpx.post(served.url + "/v1/chat/completions", json=body, timeout=60)
+    def __init__(self, served: Served) -> None:
+        self.url = served.url + "/v1/chat/completions"
+        self.stop = threading.Event()
+        self.sent = 0
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self.run, daemon=True) for _ in range(4)]
+        for t in self.threads:
+            t.start()
 
-    def run() -> None:
-        with ThreadPoolExecutor(4) as ex:
-            list(ex.map(one, range(n)))
+    def run(self) -> None:
+        body = {"model": "auto", "max_tokens": 8,
+                "messages": [{"role": "user", "content": "Tell me about batching. " * 20}]}
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                if c.post(self.url, json=body).status_code == 200:
+                    with self.lock:
+                        self.sent += 1
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    def join(self) -> int:
+        self.stop.set()
+        for t in self.threads:
+            t.join(120)
+        return self.sent
 
 
 def fits(page: Page, width: int) -> bool:
@@ -57,26 +67,27 @@ def test_the_dashboard_draws_every_instance_and_moves_with_traffic(served: Serve
                                     f'(1 min)"]').inner_text()) for n in names)
 
     assert served_total() == 0
-    stop = threading.Event()
-    t = traffic(served, 40, stop)
+    traffic = Traffic(served)
     try:
-        # the numbers move: first tokens counted, decisions listed, one of them explained
+        # the numbers move: decisions listed, explained as they come (one each 2 s)
         page.wait_for_function(f"Number(document.body.dataset.updates) > {first + 1}",
                                timeout=WAIT_MS)
         expect(page.locator("#decisions tbody tr").first).to_be_visible(timeout=WAIT_MS)
         expect(page.locator("#explanation table tr.chosen")).to_have_count(1, timeout=WAIT_MS)
-        t.join(120)
+        # a listed decision's explanation on demand (then pinned: updates leave it)
+        link = page.locator("#decisions a", has_text="explain").first
+        expect(link).to_be_visible(timeout=WAIT_MS)
+        link.click()
+        expect(page.locator("#explanation")).to_contain_text("Request dt-")
+        page.wait_for_function("document.querySelectorAll('#decisions tbody tr').length "
+                               "=== 20", timeout=WAIT_MS)  # (the latest 20)
     finally:
-        stop.set()
-    page.wait_for_function(  # (every one of the 40, once the next update comes)
+        sent = traffic.join()
+    page.wait_for_function(  # (every one counted, once the next update comes)
         "[...document.querySelectorAll('dd[data-k=\"first tokens (1 min)\"]')]"
-        ".reduce((s, e) => s + Number(e.textContent), 0) === 40", timeout=WAIT_MS)
+        f".reduce((s, e) => s + Number(e.textContent), 0) === {sent}", timeout=WAIT_MS)
     chosen = page.locator("#explanation tr.chosen").get_attribute("data-instance")
     assert chosen in names
-    rows = page.locator("#decisions tbody tr")
-    assert rows.count() == 20  # the latest 20 of the 40
-    # a decision's explanation on demand
-    page.locator("#decisions a", has_text="explain").first.click()
     expect(page.locator("#explanation table")).to_be_visible()
     shot(page, "dashboard")
     page.set_viewport_size({"width": 390, "height": 844})
