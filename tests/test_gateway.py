@@ -611,6 +611,9 @@ def test_duetime_serve_demo_starts_answers_and_stops_on_ctrl_c():
         out, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
         assert "stopped" in out and "Traceback" not in err
+        # the banner names the pages beside the curl line, and they are there
+        assert f"dashboard: {url}/dashboard" in out and f"playground: {url}/playground" in out
+        assert f"SFS demo: {url}/demo" in out
     finally:
         if proc.poll() is None:
             proc.kill()

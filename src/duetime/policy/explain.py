@@ -76,7 +76,8 @@ def explain(policy: Policy, req: RoutingRequest, cands: Sequence[Candidate], now
             "output_tokens": tokens,
             "cost": _num(cost_usd, digits=9),
             "utility": _num(at("utility")),
-            "score": _num(at("score")),
+            # (what it ranks by: its own score, or the column it names, such as utility)
+            "score": _num(at("score") if "score" in col else at(d.score or "score")),
             "running": int(view.num_running), "waiting": int(view.num_waiting),
             "kv_usage": _num(view.kv_usage, digits=4),
             "cached_blocks": _cached_blocks(req, c),

@@ -15,7 +15,10 @@ const explainView = (() => {
   ];
   function render(e) {
     if (!e) return dt.el("p", {class: "muted"}, "No explanation for this decision.");
-    const used = COLS.filter(([k]) => e.candidates.some(c => c[k] !== null && c[k] !== undefined));
+    // (a score that is one of the columns, such as utility, is not shown twice)
+    const named = COLS.some(([k]) => k === e.score);
+    const used = COLS.filter(([k]) => !(k === "score" && named) &&
+      e.candidates.some(c => c[k] !== null && c[k] !== undefined));
     const head = dt.el("tr", {}, used.map(([k, name, , cls]) => dt.el("th", {class: cls}, k === "score" && e.score ? e.score : name)));
     const cell = (c, [k, , fmt, cls]) => {
       const verdict = k === "feasible" && c[k] !== null ? (c[k] ? "yes" : "no") : null;
