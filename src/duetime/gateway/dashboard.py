@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from duetime.estimate import SfsEstimator
-from duetime.serving.errors import ApiError
+from duetime.serving.errors import ApiError, number_in
 
 if TYPE_CHECKING:
     from duetime.gateway.app import Gateway
@@ -91,15 +91,8 @@ class DashboardFeed:
 
 
 def _interval(request: Request) -> float:
-    raw = request.query_params.get("interval", "1")
-    try:
-        s = float(raw)
-    except ValueError:
-        s = math.nan
-    if not (math.isfinite(s) and 0.2 <= s <= 10):
-        raise ApiError(400, f"interval must be a number of seconds in [0.2, 10], got "
-                       f"{raw[:40]!r}", param="interval", code="invalid_value")
-    return s
+    return number_in(request.query_params.get("interval", "1"), 0.2, 10.0, param="interval",
+                     code="invalid_value", what="a number of seconds")
 
 
 def dashboard_routes(gw: Gateway) -> list[Route]:

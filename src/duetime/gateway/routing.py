@@ -41,7 +41,7 @@ from duetime.policy.explain import explain as explain_decision
 from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, SUCCESS
 from duetime.predict.quality_source import QualitySource, Query, TaskTable
 from duetime.serving.asgi import Scope, Send, header, send_json
-from duetime.serving.errors import ApiError, relayed_error
+from duetime.serving.errors import ApiError, number_in, relayed_error
 from duetime.serving.prefix_keys import prompt_block_keys
 from duetime.serving.requests import CompletionRequest, prompt_texts
 
@@ -212,16 +212,8 @@ class Router:
                                f"{', '.join(policy_names())}", param="x-duetime-policy",
                                code="invalid_header")
         raw = header(scope, b"x-duetime-lambda")
-        lam = None
-        if raw is not None:
-            try:
-                lam = float(raw)
-            except ValueError:
-                lam = math.nan
-            if not (math.isfinite(lam) and 0 <= lam <= 1e6):
-                raise ApiError(400, f"x-duetime-lambda must be a number in [0, 1e6], got "
-                               f"{raw[:40]!r}", param="x-duetime-lambda",
-                               code="invalid_header")
+        lam = None if raw is None else number_in(raw, 0.0, 1e6, param="x-duetime-lambda",
+                                                 code="invalid_header")
         return name, lam
 
     def variant(self, ctl: Controls) -> Router:

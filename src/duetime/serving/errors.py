@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http
 import json
+import math
 from typing import Any
 
 _TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
@@ -47,6 +48,19 @@ class ApiError(Exception):
 
     def encode(self) -> bytes:
         return json.dumps(self.body()).encode()
+
+
+def number_in(raw: str, lo: float, hi: float, *, param: str, code: str,
+              what: str = "a number") -> float:
+    """``raw`` as a finite number in [lo, hi]; else a 400 naming ``param``."""
+    try:
+        x = float(raw)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and lo <= x <= hi):
+        raise ApiError(400, f"{param} must be {what} in [{lo:g}, {hi:g}], got {raw[:40]!r}",
+                       param=param, code=code)
+    return x
 
 
 def error_body(status: int, message: str, **kw: Any) -> bytes:

@@ -28,6 +28,24 @@ const dt = (() => {
     try { const b = await resp.clone().json(); return (b.error && b.error.message) || resp.statusText; }
     catch (e) { return resp.status + " " + resp.statusText; }
   }
+  // a server-sent-event response read to its end: onData(the event's data) per event, and
+  // afterEach() once per chunk read (after its events)
+  async function readEvents(resp, onData, afterEach) {
+    const reader = resp.body.getReader(), dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) return;
+      buf += dec.decode(value, {stream: true});
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const ev = buf.slice(0, cut); buf = buf.slice(cut + 2);
+        const data = ev.split("\n").filter(l => l.startsWith("data:")).map(l => l.slice(5).trim()).join("\n");
+        if (data) onData(data);
+      }
+      afterEach && afterEach();
+    }
+  }
   // server-sent events over fetch: onEvent(parsed JSON) per event; reconnects after a drop
   function events(path, onEvent, onState) {
     let stopped = false, ctl = null;
@@ -38,19 +56,7 @@ const dt = (() => {
           const resp = await api(path, {signal: ctl.signal, headers: {accept: "text/event-stream"}});
           if (!resp.ok) throw new Error(await errorText(resp));
           onState && onState("live");
-          const reader = resp.body.getReader(), dec = new TextDecoder();
-          let buf = "";
-          for (;;) {
-            const {value, done} = await reader.read();
-            if (done) break;
-            buf += dec.decode(value, {stream: true});
-            let cut;
-            while ((cut = buf.indexOf("\n\n")) >= 0) {
-              const ev = buf.slice(0, cut); buf = buf.slice(cut + 2);
-              const data = ev.split("\n").filter(l => l.startsWith("data:")).map(l => l.slice(5).trim()).join("\n");
-              if (data) onEvent(JSON.parse(data));
-            }
-          }
+          await readEvents(resp, data => onEvent(JSON.parse(data)));
           onState && onState("reconnecting");
         } catch (e) {
           if (stopped) return;
@@ -92,5 +98,5 @@ const dt = (() => {
     document.body.prepend(h);
   }
   const status = text => { const s = document.getElementById("status"); if (s) s.textContent = text; };
-  return {api, events, el, num, ms, pct, chart, PALETTE, nav, status, errorText};
+  return {api, events, readEvents, el, num, ms, pct, chart, PALETTE, nav, status, errorText};
 })();

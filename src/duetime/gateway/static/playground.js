@@ -50,29 +50,17 @@ async function send(ev) {
     show();
     const e = h.get("x-duetime-explain");
     $("why").replaceChildren(explainView.render(e ? JSON.parse(e) : null));
-    const reader = resp.body.getReader(), dec = new TextDecoder();
-    let buf = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buf += dec.decode(value, {stream: true});
-      let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const line = buf.slice(0, cut).trim(); buf = buf.slice(cut + 2);
-        if (!line.startsWith("data:")) continue;
-        const data = line.slice(5).trim();
-        if (data === "[DONE]") continue;
-        const chunk = JSON.parse(data);
-        if (chunk.error) throw new Error(chunk.error.message || "stream error");
-        const text = chunk.choices && chunk.choices[0] && chunk.choices[0].delta && chunk.choices[0].delta.content;
-        if (text) {
-          if (tFirst === null) tFirst = performance.now() - t0;
-          tokens++;
-          $("answer").textContent += text;
-        }
+    await dt.readEvents(resp, data => {
+      if (data === "[DONE]") return;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new Error(chunk.error.message || "stream error");
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      if (delta && delta.content) {
+        if (tFirst === null) tFirst = performance.now() - t0;
+        tokens++;
+        $("answer").textContent += delta.content;
       }
-      show();
-    }
+    }, show);
     show();
     document.body.dataset.answered = String(Number(document.body.dataset.answered || 0) + 1);
   } catch (e) {
