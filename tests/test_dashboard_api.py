@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from tests.test_gateway import config, gateway, run
 
 CHAT = {"model": "auto", "messages": [{"role": "user", "content": "Hello there"}],
@@ -193,3 +194,35 @@ def test_pages_are_served_with_their_assets():
     run(go())
 
 
+
+
+def test_the_explanation_header_keeps_the_chosen_and_the_best_within_its_size():
+    from duetime.gateway.routing import EXPLAIN_HEADER_BYTES, explain_header
+
+    cands = [{"instance": f"i{k}", "chosen": k == 7, "score": float(k), "utility": None,
+              "pad": "x" * 100} for k in range(300)]
+    e = {"policy": "p", "chosen": "i7", "better": "higher", "candidates": cands}
+    (name, raw), = explain_header(e)
+    got = json.loads(raw)
+    assert name == b"x-duetime-explain" and len(raw) <= EXPLAIN_HEADER_BYTES
+    kept = [c["instance"] for c in got["candidates"]]
+    assert kept[0] == "i7" and kept[1:4] == ["i299", "i298", "i297"]
+    assert got["truncated"] == 300 - len(kept)
+    lower = json.loads(explain_header({**e, "better": "lower"})[0][1])
+    assert [c["instance"] for c in lower["candidates"]][:3] == ["i7", "i0", "i1"]
+    small = {**e, "candidates": cands[:3]}
+    assert json.loads(explain_header(small)[0][1]) == small  # (whole when it fits)
+
+
+def test_each_instance_minute_forgets_without_a_reader():
+    from duetime.gateway.observatory import Observatory
+
+    obs = Observatory(["a"])
+    for k in range(1000):  # ten minutes at 100 first tokens a minute, never read
+        obs.first_token(f"f{k}", "a", 0.1, 0.2 if k % 2 else 0.05, 0.1, 0.1, k * 0.6)
+    m = obs.minutes["a"]
+    assert len(m.firsts) <= 101 and len(m.errors) == len(m.firsts)
+    read = obs.minute("a", 999 * 0.6)
+    assert read["first_tokens_1m"] == len(m.firsts)
+    assert read["on_time_1m"] == pytest.approx(0.5, abs=0.02)
+    assert read["forecast_error_1m"] == 0.0

@@ -83,8 +83,9 @@ class Minute:
         if error is not None:
             self.errors_t.append(now)
             self.errors.append(error)
+        self._forget(now)  # (kept to a minute whether or not a dashboard reads it)
 
-    def read(self, now: float) -> dict[str, Any]:
+    def _forget(self, now: float) -> None:
         start = now - MINUTE_S
         firsts = self.firsts
         while firsts and firsts[0][0] < start:
@@ -92,6 +93,10 @@ class Minute:
         while self.errors_t and self.errors_t[0] < start:
             self.errors_t.popleft()
             self.errors.popleft()
+
+    def read(self, now: float) -> dict[str, Any]:
+        self._forget(now)
+        firsts = self.firsts
         n = len(firsts)
         return {"first_tokens_1m": n, "on_time_1m": None if n == 0 else self.on_time / n,
                 "forecast_error_1m": (round(float(np.median(np.array(self.errors))), 4)

@@ -220,9 +220,9 @@ class Router:
         """The router for a request: this one, or (``x-duetime-policy`` / ``x-duetime-lambda``)
         one that shares everything with it but its policy (kept for the next requests that
         ask for the same; at most ``MAX_VARIANTS``, the least recently used dropped)."""
-        if ctl.policy is None and ctl.lam is None:
-            return self
         name = ctl.policy or self.pool.policy
+        if name == self.pool.policy and ctl.lam is None:
+            return self
         key = (name, ctl.lam)
         found = self.variants.get(key)
         if found is not None:
