@@ -263,6 +263,7 @@ class Exchange:
             req = parse_completion(raw, chat=self.route == "chat")
             req.prompt_tokens = router.count_tokens(req)
             ctl = router.controls(self._scope(), req.prompt_tokens)
+            router = router.variant(ctl)  # (x-duetime-policy / x-duetime-lambda)
             insts = router.candidates(req.model, req.prompt_tokens, req.max_tokens,
                                       param="messages" if req.chat else "prompt")
             if self.subset is not None:
