@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 PROBE_TOKENS = 512  # the reference probe's prompt
 PROBE_EVERY_S = 2.0  # the probes are forecast again this often (a forecast each, per instance)
 RECENT = 20  # decisions sent per update
-EXPLAINED = 3  # explained decisions sent per update, with their explanations (the latest)
 SHARED_S = 0.25  # a state younger than this is sent again rather than built again
 
 
@@ -75,8 +74,7 @@ class DashboardFeed:
         return {"t": round(wall, 3), "policy": gw.pool.policy, "probe_tokens": PROBE_TOKENS,
                 "instances": cards, "series": obs.series(wall),
                 "decisions": [d.as_dict(explanation=False) for d in latest],
-                "explained": [d.as_dict() for d in latest
-                              if d.explanation is not None][:EXPLAINED]}
+                "explained": [d.as_dict() for d in reversed(obs.explained)]}
 
     def encoded(self) -> bytes:
         """The state as one server-sent event (shared by the watchers of one tick)."""

@@ -125,6 +125,8 @@ class Observatory:
         self.explain_every_s = explain_every_s
         self.watchers = 0  # dashboards connected (explanations are made only for them)
         self.recent: deque[Decision] = deque(maxlen=recent)
+        # the latest explained decisions (at a high rate they leave ``recent`` within a second)
+        self.explained: deque[Decision] = deque(maxlen=3)
         self._by_id: dict[str, Decision] = {}
         self.seconds: deque[Second] = deque(maxlen=window_s)
         # per instance: its first tokens of the last minute
@@ -145,6 +147,7 @@ class Observatory:
         """A routed attempt (``now``: monotonic, for the explanation's pacing)."""
         if d.explanation is not None:
             self._last_explained = now
+            self.explained.append(d)
         if len(self.recent) == self.recent.maxlen:
             self._by_id.pop(self.recent[0].id, None)
         self.recent.append(d)
