@@ -8,7 +8,8 @@ import asyncio
 import json
 
 import pytest
-from tests.test_gateway import config, gateway, run
+
+from test_gateway import config, gateway, run
 
 CHAT = {"model": "auto", "messages": [{"role": "user", "content": "Hello there"}],
         "max_tokens": 4}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 
 from playwright.sync_api import Page
-from tests.browser.conftest import Served, shot
+
+from browser.conftest import Served, shot
 
 WAIT_MS = 120_000  # generous: the first simulation may load compiled kernels
 

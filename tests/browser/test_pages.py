@@ -9,7 +9,8 @@ import threading
 
 import httpx
 from playwright.sync_api import Page, expect
-from tests.browser.conftest import CheckedPage, Served, shot
+
+from browser.conftest import CheckedPage, Served, shot
 
 WAIT_MS = 60_000  # (conditions are waited for, never slept on: any machine's speed)
 
