@@ -605,15 +605,21 @@ def start_serve(args: list[str], timeout_s: float = 60.0) -> tuple[subprocess.Po
 def test_duetime_serve_demo_starts_answers_and_stops_on_ctrl_c():
     proc, url = start_serve(["--log-level", "warning"])
     try:
+        # the banner names the pages beside the curl line (read before communicate(), which
+        # would skip what readline() has buffered)
+        banner = ""
+        while "dashboard:" not in banner:
+            line = proc.stdout.readline()
+            assert line, banner
+            banner += line
+        assert f"dashboard: {url}/dashboard" in banner and f"{url}/playground" in banner
+        assert f"SFS demo: {url}/demo" in banner and f"curl -s {url}/v1/chat" in banner
         r = httpx.post(f"{url}/v1/chat/completions", json=chat(), timeout=20)
         assert r.status_code == 200 and r.headers["x-duetime-model"].startswith("qwen3-")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
         assert proc.returncode == 0, err
         assert "stopped" in out and "Traceback" not in err
-        # the banner names the pages beside the curl line, and they are there
-        assert f"dashboard: {url}/dashboard" in out and f"playground: {url}/playground" in out
-        assert f"SFS demo: {url}/demo" in out
     finally:
         if proc.poll() is None:
             proc.kill()
