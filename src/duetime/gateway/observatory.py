@@ -10,6 +10,7 @@ while a dashboard watches, for at most one decision each ``explain_every_s``.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -108,11 +109,7 @@ def _round(x: float | None) -> float | None:
 
 
 def _median(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+    return statistics.median(xs) if xs else None
 
 
 class Observatory:
