@@ -238,8 +238,8 @@ def tokenizer_cost(folder: str, reps: int = 2000) -> None:
     """µs per request of the gateway's prompt counting and block keys, with the pool's
     tokenizer and without (the estimate), for a short chat and an 8-turn conversation."""
     from duetime.gateway.prompt_tokens import PromptTokenizer
-    from duetime.serving.prefix_keys import prompt_block_keys
-    from duetime.serving.requests import parse_completion
+    from duetime.web.prefix_keys import prompt_block_keys
+    from duetime.web.requests import parse_completion
 
     tok = PromptTokenizer(folder)
     text = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "

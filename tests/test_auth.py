@@ -28,9 +28,9 @@ from duetime.cli import main
 from duetime.gateway import ConfigError, Flight, Gateway, MemoryStore, pool_from_dict
 from duetime.gateway.auth import Auth, AuthConfig, RateLimited, key_digest, new_key
 from duetime.gateway.ratelimit import Draw, Limiter, MemoryLimitStore
-from duetime.serving.access import bearer, is_loopback
-from duetime.serving.asgi import Scope
-from duetime.serving.errors import ApiError
+from duetime.web.access import bearer, is_loopback
+from duetime.web.asgi import Scope
+from duetime.web.errors import ApiError
 from test_gateway import gateway
 
 PRICE = {"prompt": 0.1, "output": 0.3}

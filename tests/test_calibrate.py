@@ -23,7 +23,7 @@ from duetime.engine.batch_time import Paper4, Sfs6
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.request import Request
 from duetime.engine.scheduler import ReferenceEngine
-from duetime.serving.server import AppServer
+from duetime.web.server import AppServer
 
 CFG = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048,
                       block_size=16, num_gpu_blocks=4096, long_prefill_token_threshold=0)

@@ -24,7 +24,7 @@ from duetime.service.demo import (
     simulate,
 )
 from duetime.service.pool import demo_pool, pool_from_dict
-from duetime.serving.errors import ApiError
+from duetime.web.errors import ApiError
 
 PAPER4 = {"b0": 0.004, "b1": 2e-5, "b2": 3e-8, "b3": 5e-9}
 

@@ -22,8 +22,8 @@ from duetime import Snapshot
 from duetime.cli import main
 from duetime.emulator import Faults, create_app, emulator_from_profile
 from duetime.engine import forecast
-from duetime.serving.server import AppServer
-from duetime.serving.tokens import chat_tokens, text_tokens
+from duetime.web.server import AppServer
+from duetime.web.tokens import chat_tokens, text_tokens
 
 SLACK_S = 0.35  # allowed extra latency (HTTP, event loop, a busy test machine)
 

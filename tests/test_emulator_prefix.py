@@ -26,15 +26,15 @@ from duetime.emulator import create_app, emulator_from_profile
 from duetime.emulator.options import EmulatorOptions
 from duetime.engine import forecast
 from duetime.engine.profiles import load_profile
-from duetime.serving.prefix_keys import (
+from duetime.web.prefix_keys import (
     chat_text,
     prompt_block_keys,
     text_block_keys,
     token_block_keys,
 )
-from duetime.serving.requests import parse_completion
-from duetime.serving.server import AppServer
-from duetime.serving.tokens import chat_tokens
+from duetime.web.requests import parse_completion
+from duetime.web.server import AppServer
+from duetime.web.tokens import chat_tokens
 
 BS = 16
 SLACK_S = 0.35

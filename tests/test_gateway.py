@@ -27,7 +27,7 @@ import pytest
 from duetime.emulator import Faults
 from duetime.gateway import pool_from_dict
 from duetime.service import Service
-from duetime.serving.tokens import chat_tokens
+from duetime.web.tokens import chat_tokens
 
 PRICE = {"prompt": 0.1, "output": 0.3}
 
@@ -452,7 +452,7 @@ def test_upstream_client_error_is_relayed():
     holds 4096 tokens and refuses the request itself: its 400 reaches the client."""
     from duetime.emulator import Emulator, create_app
     from duetime.engine import Paper4, SchedulerConfig
-    from duetime.serving.server import AppServer
+    from duetime.web.server import AppServer
 
     async def go():
         small = Emulator(Paper4(b0=1e-3, b1=1e-6, b2=0.0, b3=0.0),

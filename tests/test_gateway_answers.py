@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from duetime.gateway import pool_from_dict
 from duetime.gateway.reassembly import Reassembly
-from duetime.serving.server import AppServer
-from duetime.serving.sse import payload, split_events
+from duetime.web.server import AppServer
+from duetime.web.sse import payload, split_events
 from test_gateway import chat, config, gateway
 
 HEAD = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1700000000,

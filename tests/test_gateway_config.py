@@ -185,7 +185,7 @@ def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from duetime.gateway.app import Gateway
-    from duetime.serving.requests import parse_completion
+    from duetime.web.requests import parse_completion
 
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

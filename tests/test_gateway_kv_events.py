@@ -13,7 +13,7 @@ import zmq
 from duetime.engine import Engine, Paper4, SchedulerConfig
 from duetime.gateway.config import KvEventsSpec
 from duetime.gateway.event_cache import EventCache
-from duetime.serving.prefix_keys import token_block_keys
+from duetime.web.prefix_keys import token_block_keys
 from test_kv_events import AllBlocksCleared, FakePublisher, encode, h, stored, wait_for
 
 BS = 16
@@ -106,7 +106,7 @@ def test_the_gateway_prices_hits_its_events_report(publisher) -> None:
     hits and its cached tokens are told in ``x-duetime-cached-tokens``; an eviction the events
     report counts too; with the events gone, requests still succeed (estimated view)."""
     from duetime.emulator import Emulator, create_app
-    from duetime.serving.server import AppServer
+    from duetime.web.server import AppServer
     from test_gateway import PRICE, gateway, run
 
     prompt = list(range(1000, 1200))  # 200 tokens: 12 full blocks of 16

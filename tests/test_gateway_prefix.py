@@ -104,7 +104,7 @@ def test_the_gateway_sizes_its_view_from_the_instances_cache_config() -> None:
     here), so its replica estimates a cache of the instance's size."""
     from duetime.emulator import Emulator, create_app
     from duetime.engine import Paper4, SchedulerConfig
-    from duetime.serving.server import AppServer
+    from duetime.web.server import AppServer
     from test_gateway import PRICE, wait_for
 
     async def go():

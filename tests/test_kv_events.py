@@ -27,7 +27,7 @@ from duetime.gateway.kv_events import (
     KvEventSubscriber,
     decode_batch,
 )
-from duetime.serving.prefix_keys import token_block_keys
+from duetime.web.prefix_keys import token_block_keys
 
 BS = 4
 

@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "duetime"
 # lower number = lower layer; a module may import its own layer or lower ones
 LAYERS: dict[str, int] = {
     "engine": 0, "argtypes": 0, "client": 0,
-    "serving": 1, "predict": 1,
+    "web": 1, "predict": 1,
     "workload": 2, "estimate": 2, "calibrate": 2,
     "policy": 3,
     "emulator": 4, "sim": 4, "gateway": 4,

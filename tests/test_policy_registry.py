@@ -148,7 +148,7 @@ def test_the_gateway_polls_only_what_its_policy_consumes(policy, source, snapsho
 
 def test_the_gateway_predicts_only_what_its_policy_consumes():
     from duetime.gateway.relay import Controls
-    from duetime.serving.requests import parse_completion
+    from duetime.web.requests import parse_completion
 
     req = parse_completion(b'{"messages": [{"role": "user", "content": "hi"}]}', chat=True)
     ctl = Controls(1.0, frozenset(), None, "*")

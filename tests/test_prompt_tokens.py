@@ -8,8 +8,8 @@ import json
 import pytest
 
 from duetime.gateway.prompt_tokens import PromptTokenizer, TokenizerError
-from duetime.serving.prefix_keys import prompt_block_keys, token_block_keys
-from duetime.serving.requests import parse_completion
+from duetime.web.prefix_keys import prompt_block_keys, token_block_keys
+from duetime.web.requests import parse_completion
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
           "message['content'] + '<|im_end|>\\n' }}{% endfor %}"

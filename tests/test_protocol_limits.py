@@ -24,10 +24,10 @@ from starlette.routing import Route
 
 from duetime.gateway import ConfigError, pool_from_dict
 from duetime.service import Service
-from duetime.serving.errors import MAX_MESSAGE, TRUNCATED, exception_handlers
-from duetime.serving.limits import LimitsSpec
-from duetime.serving.logs import JsonFormatter
-from duetime.serving.server import AppServer
+from duetime.web.errors import MAX_MESSAGE, TRUNCATED, exception_handlers
+from duetime.web.limits import LimitsSpec
+from duetime.web.logs import JsonFormatter
+from duetime.web.server import AppServer
 from test_gateway import gateway, start_serve
 
 PRICE = {"prompt": 0.1, "output": 0.3}
@@ -282,7 +282,7 @@ def test_malformed_http_is_a_json_400():
 
 
 def test_unhandled_exceptions_are_a_json_500_naming_nothing_of_them():
-    from duetime.serving.asgi import CompletionEndpoint, FastRoutes
+    from duetime.web.asgi import CompletionEndpoint, FastRoutes
 
     async def boom(request: Request) -> JSONResponse:
         raise RuntimeError("secret 10.0.0.7:8000")
@@ -363,7 +363,7 @@ def test_a_megabyte_header_value_is_not_echoed_whole(caplog):
 
 
 def test_error_messages_are_clipped_and_marked():
-    from duetime.serving.errors import ApiError
+    from duetime.web.errors import ApiError
 
     err = ApiError(400, "got " + "z" * 10_000, param="p" * 1000)
     assert err.message.endswith(TRUNCATED) and len(err.message) == MAX_MESSAGE + len(TRUNCATED)

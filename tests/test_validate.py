@@ -23,7 +23,7 @@ def emulator_url():
     """An emulator of the profile on a loopback port, on its own event-loop thread."""
     from duetime.emulator import Emulator, create_app
     from duetime.engine.profiles import load_profile
-    from duetime.serving.server import AppServer
+    from duetime.web.server import AppServer
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from duetime.gateway.prompt_tokens import PromptTokenizer
-from duetime.serving.requests import parse_completion
+from duetime.web.requests import parse_completion
 
 from .conftest import _Proc, _wait_healthy
 from .gateway_pool import instance_config, pool_config

@@ -40,7 +40,7 @@ import numpy as np
 
 from duetime.engine.batch_time import MODELS, BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.serving.cache_info import cache_config_info
+from duetime.web.cache_info import cache_config_info
 
 # A text whose tokenisation gives the probes' token ids: any model's tokenizer splits it into
 # ordinary tokens (no special ids, nothing the server rejects).

@@ -20,7 +20,7 @@ snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|t
 forces that failure for one request (tests).
 
 Prefix caching (on unless turned off): each request's prompt is keyed block by block
-(:mod:`duetime.serving.prefix_keys`: token ids exactly, text 64 characters per 16-token block),
+(:mod:`duetime.web.prefix_keys`: token ids exactly, text 64 characters per 16-token block),
 so identical prefixes share cached blocks as in vLLM.
 """
 
@@ -42,8 +42,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from duetime.emulator.core import FAULT_KINDS, Emulator, EmuRequest, Faults
-from duetime.serving.access import bearer, same_secret
-from duetime.serving.asgi import (
+from duetime.web.access import bearer, same_secret
+from duetime.web.asgi import (
     CompletionEndpoint,
     Disconnect,
     FastRoutes,
@@ -53,11 +53,11 @@ from duetime.serving.asgi import (
     send_error,
     send_json,
 )
-from duetime.serving.errors import ApiError, exception_handlers
-from duetime.serving.prefix_keys import chat_text, prompt_block_keys
-from duetime.serving.requests import CompletionRequest, parse_completion, parse_json, parse_tokenize
-from duetime.serving.sse import DONE, SSE_HEADERS
-from duetime.serving.tokens import CHARS_PER_TOKEN
+from duetime.web.errors import ApiError, exception_handlers
+from duetime.web.prefix_keys import chat_text, prompt_block_keys
+from duetime.web.requests import CompletionRequest, parse_completion, parse_json, parse_tokenize
+from duetime.web.sse import DONE, SSE_HEADERS
+from duetime.web.tokens import CHARS_PER_TOKEN
 
 TOKEN_TEXT = "tok "
 PLACEHOLDER_VOCAB = 151_643  # /tokenize's placeholder ids are below this (Qwen3's vocabulary)
@@ -77,7 +77,7 @@ logging.getLogger("uvicorn.error").addFilter(_QuietInjected())
 
 def placeholder_ids(body: dict[str, Any], count: int) -> list[int]:
     """``/tokenize``'s tokens: a prompt's own ids, else one id per 4 characters of its text
-    (chat: :func:`~duetime.serving.prefix_keys.chat_text`), a hash of them, so that the same
+    (chat: :func:`~duetime.web.prefix_keys.chat_text`), a hash of them, so that the same
     text gives the same ids and different text mostly different ones (a client that builds
     prompts from them, as ``duetime calibrate`` does, gets distinct prompts that do not hit
     the prefix cache); cut or padded to ``count``."""
@@ -132,7 +132,7 @@ class _Chunks:
 
 class Completions:
     """``/v1/completions`` or ``/v1/chat/completions``, the handler of a raw-ASGI
-    :class:`~duetime.serving.asgi.CompletionEndpoint` (cancelled when the client disconnects,
+    :class:`~duetime.web.asgi.CompletionEndpoint` (cancelled when the client disconnects,
     and then the request is aborted in the engine)."""
 
     def __init__(self, emu: Emulator, *, chat: bool) -> None:

@@ -17,8 +17,8 @@ ADMIN_TOKEN_ENV = "DUETIME_EMULATOR_ADMIN_TOKEN"
 
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.emulator import Faults, create_app, emulator_from_profile
-    from duetime.serving.access import is_loopback
-    from duetime.serving.server import AppServer, ServeError, shutdown_signals
+    from duetime.web.access import is_loopback
+    from duetime.web.server import AppServer, ServeError, shutdown_signals
 
     try:
         faults = Faults(args.fail_rate, tuple(k.strip() for k in args.fail_kinds.split(",")
@@ -55,8 +55,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _cmd_emulate(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.serving.logs import setup_logging
-    from duetime.serving.server import run
+    from duetime.web.logs import setup_logging
+    from duetime.web.server import run
 
     setup_logging(args.log_level)
     return run(_serve(args, error))

@@ -15,7 +15,7 @@ the present, so the lag shows as latency, as a late CPU would on a real server; 
 is absorbed (the next sleep is shorter), so the emulator keeps the model's pace on average.
 
 Prefix caching is on by default, as in vLLM: a request brings the keys of its prompt's full
-blocks (:mod:`duetime.serving.prefix_keys`; its output blocks get the engine's own keys, since
+blocks (:mod:`duetime.web.prefix_keys`; its output blocks get the engine's own keys, since
 the emulator's output is filler), and a prompt that starts like one still cached computes only
 the rest. ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count the tokens looked
 up and found, as vLLM's scheduler stats do, when each step ends.
@@ -225,7 +225,7 @@ class Emulator:
                hashes: Sequence[int] = ()) -> EmuRequest:
         """Queue a request (joins at the next step boundary); its id is ``request_id`` when
         given and not in use, else a fresh one. ``hashes``: the keys of its prompt's full
-        blocks (:func:`duetime.serving.prefix_keys.prompt_block_keys`), for prefix caching."""
+        blocks (:func:`duetime.web.prefix_keys.prompt_block_keys`), for prefix caching."""
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._drive(), name=f"emulator:{self.model_name}")

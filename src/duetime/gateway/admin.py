@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from duetime.gateway.dashboard import dashboard_routes
 from duetime.policy import policy_class, policy_names
-from duetime.serving.errors import ApiError
+from duetime.web.errors import ApiError
 
 if TYPE_CHECKING:
     from duetime.gateway.app import Gateway

@@ -45,9 +45,9 @@ from duetime.gateway.store_redis import RedisConnection, RedisFlightStore
 from duetime.gateway.upstream import Upstream
 from duetime.policy import make_policy
 from duetime.policy.registry import METRICS, SNAPSHOT
-from duetime.serving.asgi import CompletionEndpoint, Disconnect, FastRoutes, Scope, send_error
-from duetime.serving.errors import ApiError, exception_handlers
-from duetime.serving.requests import parse_completion
+from duetime.web.asgi import CompletionEndpoint, Disconnect, FastRoutes, Scope, send_error
+from duetime.web.errors import ApiError, exception_handlers
+from duetime.web.requests import parse_completion
 
 log = logging.getLogger("duetime.gateway")
 

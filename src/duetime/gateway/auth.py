@@ -36,9 +36,9 @@ from starlette.routing import Route
 
 from duetime.gateway.inflight import Flight, FlightStore
 from duetime.gateway.ratelimit import Draw, Level, Limiter
-from duetime.serving.access import bearer, is_loopback
-from duetime.serving.asgi import Scope, Send, header
-from duetime.serving.errors import ApiError
+from duetime.web.access import bearer, is_loopback
+from duetime.web.asgi import Scope, Send, header
+from duetime.web.errors import ApiError
 
 log = logging.getLogger("duetime.gateway")
 

@@ -18,7 +18,7 @@ from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
 from duetime.gateway.auth import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
-from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec
+from duetime.web.limits import DEFAULT_LIMITS, LimitsSpec
 
 ALIAS_DEFAULT = "auto"
 
@@ -213,7 +213,7 @@ class PoolSpec(_Strict):
     health: HealthSpec = HealthSpec()
     admission: AdmissionSpec = AdmissionSpec()
     auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.auth)
-    limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.serving.limits)
+    limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.web.limits)
 
 
 

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from duetime.estimate import SfsEstimator
-from duetime.serving.errors import ApiError, number_in
+from duetime.web.errors import ApiError, number_in
 
 if TYPE_CHECKING:
     from duetime.gateway.app import Gateway

@@ -53,9 +53,9 @@ from duetime.gateway.inflight import Flight
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.relay import Controls
 from duetime.gateway.routing import Choice, Plan
-from duetime.serving.errors import ApiError
-from duetime.serving.requests import parse_completion
-from duetime.serving.sse import payload, split_events
+from duetime.web.errors import ApiError
+from duetime.web.requests import parse_completion
+from duetime.web.sse import payload, split_events
 
 log = logging.getLogger("duetime.gateway")
 

@@ -24,7 +24,7 @@ both are kept as they come, as opaque keys. Unknown event types are skipped: new
 versions add some, and what the gateway does not know it cannot mirror anyway.
 
 :class:`CacheMirror` turns engine hashes into the gateway's own block keys
-(:func:`duetime.serving.prefix_keys.token_block_keys`, chained from the event's parent), so
+(:func:`duetime.web.prefix_keys.token_block_keys`, chained from the event's parent), so
 the gateway can compare a request's prompt blocks with what an instance holds. Blocks whose
 key the gateway cannot reproduce (LoRA, extra keys such as a cache salt or multimodal
 inputs, another block size, a parent the mirror never saw) are tracked as *unmapped*, so
@@ -75,7 +75,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from duetime.serving.prefix_keys import token_block_keys
+from duetime.web.prefix_keys import token_block_keys
 
 __all__ = [
     "AllBlocksCleared",

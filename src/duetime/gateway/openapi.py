@@ -3,7 +3,7 @@
 Built from the routes the app actually has (:func:`openapi_document`), so that the document
 and the server cannot drift apart: a route described here but not installed is left out, a
 route installed but not described here gets a minimal entry. The completion routes' schemas
-describe what :func:`duetime.serving.requests.parse_completion` accepts (other fields are
+describe what :func:`duetime.web.requests.parse_completion` accepts (other fields are
 passed on to the instance as they are) and the answers' outline; every error is the OpenAI
 shape ``{"error": {"message", "type", "param", "code"}}``.
 """

@@ -23,7 +23,7 @@ from duetime.engine.snapshot import Snapshot, SnapshotError
 from duetime.gateway.config import Pool
 from duetime.gateway.instance import InstanceState
 from duetime.gateway.upstream import Upstream, UpstreamError
-from duetime.serving.cache_info import cache_config_info
+from duetime.web.cache_info import cache_config_info
 
 log = logging.getLogger("duetime.gateway")
 

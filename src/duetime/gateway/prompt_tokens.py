@@ -39,7 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from duetime.serving.requests import CompletionRequest
+from duetime.web.requests import CompletionRequest
 
 log = logging.getLogger("duetime.gateway")
 

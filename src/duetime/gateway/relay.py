@@ -32,9 +32,9 @@ from duetime.gateway.metrics import GatewayMetrics
 from duetime.gateway.observatory import Observatory
 from duetime.gateway.reassembly import Reassembly
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
-from duetime.serving.asgi import Send, send_json
-from duetime.serving.requests import CompletionRequest
-from duetime.serving.sse import SSE_HEADERS, error_event, payload, split_events
+from duetime.web.asgi import Send, send_json
+from duetime.web.requests import CompletionRequest
+from duetime.web.sse import SSE_HEADERS, error_event, payload, split_events
 
 log = logging.getLogger("duetime.gateway")
 
@@ -49,7 +49,7 @@ class AttemptFailed(Exception):
 
 class Passthrough(Exception):
     """The upstream answered a client error (4xx): relay it (its message clipped:
-    :func:`~duetime.serving.errors.relayed_error`)."""
+    :func:`~duetime.web.errors.relayed_error`)."""
 
     def __init__(self, status: int, body: bytes) -> None:
         super().__init__(status)

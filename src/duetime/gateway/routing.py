@@ -40,10 +40,10 @@ from duetime.policy.base import Policy, RoutingRequest
 from duetime.policy.explain import explain as explain_decision
 from duetime.policy.registry import METRICS, OUTPUT_LENGTH, QUALITY, SNAPSHOT, SUCCESS
 from duetime.predict.quality_source import QualitySource, Query, TaskTable
-from duetime.serving.asgi import Scope, Send, header, send_json
-from duetime.serving.errors import ApiError, number_in, relayed_error
-from duetime.serving.prefix_keys import prompt_block_keys
-from duetime.serving.requests import CompletionRequest, prompt_texts
+from duetime.web.asgi import Scope, Send, header, send_json
+from duetime.web.errors import ApiError, number_in, relayed_error
+from duetime.web.prefix_keys import prompt_block_keys
+from duetime.web.requests import CompletionRequest, prompt_texts
 
 log = logging.getLogger("duetime.gateway")
 
@@ -278,7 +278,7 @@ class Router:
     def count_tokens(self, req: CompletionRequest) -> int:
         """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in
         ``req.token_ids`` for the block keys; :class:`PromptTokenizer`), where it can make
-        them; else the estimate (:mod:`duetime.serving.tokens`)."""
+        them; else the estimate (:mod:`duetime.web.tokens`)."""
         tok = self.tokenizer
         if tok is None:
             return req.prompt_tokens

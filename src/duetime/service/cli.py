@@ -61,7 +61,7 @@ def with_cli_options(pool: Pool, args: argparse.Namespace, error: type[Exception
 
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.service import ConfigError, Service, demo_pool, load_pool
-    from duetime.serving.server import ServeError, shutdown_signals
+    from duetime.web.server import ServeError, shutdown_signals
 
     started = time.perf_counter()
     try:
@@ -100,8 +100,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
-    from duetime.serving.logs import setup_logging
-    from duetime.serving.server import run
+    from duetime.web.logs import setup_logging
+    from duetime.web.server import run
 
     if args.config is not None and args.speed != 1.0:
         raise error("--speed applies to the demo pool only; set emulate.speed per instance in "

@@ -34,7 +34,7 @@ from duetime.gateway.pages import page
 from duetime.metrics import summarize
 from duetime.policy.latency import DELTA
 from duetime.policy.registry import LAMBDA
-from duetime.serving.errors import ApiError
+from duetime.web.errors import ApiError
 from duetime.sim import SimResult
 from duetime.workload import load_workload
 

@@ -15,7 +15,7 @@ from duetime.gateway.app import Gateway
 from duetime.gateway.config import Pool
 from duetime.gateway.inflight import FlightStore
 from duetime.service.runner import Service
-from duetime.serving.server import AppServer
+from duetime.web.server import AppServer
 
 log = logging.getLogger("duetime.gateway")
 
@@ -57,7 +57,7 @@ class PickerService:
                 from starlette.applications import Starlette
 
                 from duetime.gateway.admin import admin_routes
-                from duetime.serving.errors import exception_handlers
+                from duetime.web.errors import exception_handlers
 
                 app = Starlette(routes=admin_routes(gw), exception_handlers=exception_handlers())
                 app.state.gateway = gw

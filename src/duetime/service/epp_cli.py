@@ -18,7 +18,7 @@ async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.service import ConfigError, load_pool
     from duetime.service.cli import with_cli_options
     from duetime.service.epp import PickerService
-    from duetime.serving.server import ServeError, shutdown_signals
+    from duetime.web.server import ServeError, shutdown_signals
 
     started = time.perf_counter()
     try:
@@ -68,7 +68,7 @@ def _cmd_epp(args: argparse.Namespace, error: type[Exception]) -> int:
         print("duetime epp: needs grpcio and xds-protos: pip install 'duetime[epp]'",
               file=sys.stderr)
         return 2
-    from duetime.serving.logs import setup_logging
+    from duetime.web.logs import setup_logging
 
     setup_logging(args.log_level)
     return asyncio.run(_epp(args, error))  # (grpc.aio runs on asyncio's own loop)

@@ -12,7 +12,7 @@ from duetime.gateway.app import Gateway
 from duetime.gateway.config import Pool
 from duetime.service.demo import demo_routes
 from duetime.service.pool import embedded_options
-from duetime.serving.server import AppServer, bind
+from duetime.web.server import AppServer, bind
 
 log = logging.getLogger("duetime.gateway")
 

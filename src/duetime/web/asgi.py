@@ -16,10 +16,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from duetime.serving.errors import ApiError
-from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec, json_depth_limit
+from duetime.web.errors import ApiError
+from duetime.web.limits import DEFAULT_LIMITS, LimitsSpec, json_depth_limit
 
-log = logging.getLogger("duetime.serving")
+log = logging.getLogger("duetime.web")
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -83,7 +83,7 @@ class Disconnect:
     client going away. ``gone`` says whether the handler was cancelled for that reason.
 
     A handler cancelled otherwise was cut by its server (shutting down, past its drain
-    timeout: :meth:`~duetime.serving.server.AppServer.stop`): the client is told rather than
+    timeout: :meth:`~duetime.web.server.AppServer.stop`): the client is told rather than
     left with a stream that just ends -- a final ``data: {"error": ...}`` event on an SSE
     stream, a JSON 503 if nothing was answered yet.
     """

@@ -6,12 +6,12 @@ uvicorn's own signal handling is for one server per process; here the caller own
 (:func:`shutdown_signals`) and stops servers in order (the gateway drains its streams before the
 instances it streams from go away). Sockets are bound here, so a port in use is a clear error
 rather than uvicorn's ``sys.exit``. Every server runs uvicorn's httptools protocol with the
-protocol limits of :mod:`duetime.serving.protocol`.
+protocol limits of :mod:`duetime.web.protocol`.
 
 The drain timeout is kept here rather than by uvicorn (``timeout_graceful_shutdown``), which
 cancels the requests still open with nothing said to their clients and leaves no trace of it:
 :meth:`AppServer.stop` cancels them itself, their endpoints
-(:class:`~duetime.serving.asgi.Disconnect`) end each one with an error (a final SSE error event
+(:class:`~duetime.web.asgi.Disconnect`) end each one with an error (a final SSE error event
 on a stream), and it returns how many were cut, so that a command can exit non-zero.
 """
 
@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from duetime.serving.limits import DEFAULT_LIMITS, LimitsSpec
-from duetime.serving.protocol import protocol_class
+from duetime.web.limits import DEFAULT_LIMITS, LimitsSpec
+from duetime.web.protocol import protocol_class
 
 T = TypeVar("T")
 
@@ -115,7 +115,7 @@ class AppServer:
     async def stop(self, *, force: bool = False) -> int:
         """Stop accepting, let in-flight responses finish (unless ``force``) for at most the
         drain timeout, shut down. Returns how many requests were cut at the drain timeout
-        (each told so: see :class:`~duetime.serving.asgi.Disconnect`)."""
+        (each told so: see :class:`~duetime.web.asgi.Disconnect`)."""
         if self._task is None:
             return 0
         task = self._task

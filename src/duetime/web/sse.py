@@ -3,7 +3,7 @@ blank lines, ending with ``data: [DONE]``."""
 
 from __future__ import annotations
 
-from duetime.serving.errors import ApiError
+from duetime.web.errors import ApiError
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
                (b"cache-control", b"no-cache")]

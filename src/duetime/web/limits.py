@@ -7,7 +7,7 @@ unfinished 10 MB headers took the gateway from 233 to 751 MB and 3,000 half-open
 stayed open for a minute; Python's ``json`` raises ``RecursionError`` past ~1,000 nesting
 levels, which answered 500. uvicorn bounds none of these on the httptools protocol
 (``h11_max_incomplete_event_size`` is h11's only; ``limit_concurrency`` answers a text/plain
-503), so :mod:`duetime.serving.protocol` enforces them and answers OpenAI JSON errors.
+503), so :mod:`duetime.web.protocol` enforces them and answers OpenAI JSON errors.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from duetime.serving.errors import ApiError
+from duetime.web.errors import ApiError
 
 
 class LimitsSpec(BaseModel):

@@ -1,4 +1,4 @@
-"""uvicorn's httptools HTTP/1.1 protocol with :class:`~duetime.serving.limits.LimitsSpec`
+"""uvicorn's httptools HTTP/1.1 protocol with :class:`~duetime.web.limits.LimitsSpec`
 enforced, and OpenAI JSON errors where uvicorn would answer text/plain.
 
 What uvicorn (>= 0.29, read at 0.54) leaves open on this protocol, and what this adds:
@@ -25,10 +25,10 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from duetime.serving.errors import ApiError, raw_response
-from duetime.serving.limits import LimitsSpec
+from duetime.web.errors import ApiError, raw_response
+from duetime.web.limits import LimitsSpec
 
-log = logging.getLogger("duetime.serving")
+log = logging.getLogger("duetime.web")
 
 LINGER_S = 2.0  # after a rejection, how long the rest of a request is read and dropped
 

@@ -1,6 +1,6 @@
 """OpenAI completion requests as every server here reads them: validation of
 ``/v1/chat/completions``, ``/v1/completions`` and vLLM's ``/tokenize`` bodies, with
-:class:`~duetime.serving.errors.ApiError` for bad input."""
+:class:`~duetime.web.errors.ApiError` for bad input."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from duetime.serving.errors import ApiError
-from duetime.serving.limits import check_json_depth, json_depth_limit, too_deep
-from duetime.serving.tokens import chat_tokens, content_text, text_tokens
+from duetime.web.errors import ApiError
+from duetime.web.limits import check_json_depth, json_depth_limit, too_deep
+from duetime.web.tokens import chat_tokens, content_text, text_tokens
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 vLLM's automatic prefix caching keys every full block of ``block_size`` tokens by a hash of
 its tokens chained to the previous block's key, so two requests share a block exactly when
 their tokens agree up to its end. The servers here have no tokenizer, so they key blocks the
-way they estimate prompt lengths (:mod:`duetime.serving.tokens`):
+way they estimate prompt lengths (:mod:`duetime.web.tokens`):
 
 * a prompt of token ids, or one a tokenizer turned into them (``CompletionRequest.token_ids``:
   the gateway's :mod:`~duetime.gateway.prompt_tokens`): the ids, ``block_size`` per block
@@ -33,8 +33,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from duetime.serving.requests import CompletionRequest
-from duetime.serving.tokens import CHARS_PER_TOKEN, content_text
+from duetime.web.requests import CompletionRequest
+from duetime.web.tokens import CHARS_PER_TOKEN, content_text
 
 _TOKENS, _TEXT = b"t", b"c"  # the two kinds of block content never share a key
 
