@@ -34,8 +34,8 @@ from duetime.gateway.pages import page
 from duetime.metrics import summarize
 from duetime.policy.latency import DELTA
 from duetime.policy.registry import LAMBDA
-from duetime.web.errors import ApiError
 from duetime.sim import SimResult
+from duetime.web.errors import ApiError
 from duetime.workload import load_workload
 
 WORKLOAD = "demo"
