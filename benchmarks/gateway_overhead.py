@@ -237,8 +237,8 @@ def _default_litellm() -> str | None:
 def tokenizer_cost(folder: str, reps: int = 2000) -> None:
     """µs per request of the gateway's prompt counting and block keys, with the pool's
     tokenizer and without (the estimate), for a short chat and an 8-turn conversation."""
-    from duetime.gateway.prompt_tokens import PromptTokenizer
     from duetime.web.prefix_keys import prompt_block_keys
+    from duetime.web.prompt_tokens import PromptTokenizer
     from duetime.web.requests import parse_completion
 
     tok = PromptTokenizer(folder)

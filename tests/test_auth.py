@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -25,9 +26,13 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from duetime.cli import main
-from duetime.gateway import ConfigError, Flight, Gateway, MemoryStore, pool_from_dict
-from duetime.gateway.auth import Auth, AuthConfig, RateLimited, key_digest, new_key
-from duetime.gateway.ratelimit import Draw, Limiter, MemoryLimitStore
+from duetime.gateway import ConfigError, pool_from_dict
+from duetime.gateway.app import Gateway
+from duetime.gateway.intake.auth import Auth, KeyMetering, RateLimited
+from duetime.gateway.intake.ratelimit import Draw, Limiter, MemoryLimitStore
+from duetime.gateway.keys import AuthConfig, key_digest, new_key
+from duetime.gateway.state.flight import Flight
+from duetime.gateway.state.lifecycle import Attempt, Lifecycle, Outcome
 from duetime.web.access import bearer, is_loopback
 from duetime.web.asgi import Scope
 from duetime.web.errors import ApiError
@@ -218,23 +223,23 @@ def test_rpm_refuses_with_the_time_until_a_request_fits(tmp_path):
     admit(auth, alice, None, 10)  # refused requests took nothing
 
 
+def _attempt(fid: str, key, t: float, tokens: int) -> Attempt:
+    """An attempt that streamed ``tokens`` (on an instance with no parts of its own)."""
+    f = Flight(fid, 10, 4, t, None)
+    f.first_token, f.tokens = t, tokens
+    return Attempt(f, SimpleNamespace(subscribers=[]), 1, t, 1.0, "sfs", "shadow", key=key)
+
+
 def test_tpm_counts_prompt_tokens_at_admission_and_output_tokens_when_known(tmp_path):
     clock = Clock()
     auth = auth_over(tmp_path, clock, tpm=100, rpm=1000)
-    store = auth.meter(MemoryStore())
+    lifecycle = Lifecycle([KeyMetering(auth.limiter)])
     alice = auth.identify(scope(ALICE))
-
-    async def request() -> None:  # (admission, the attempts and settling: one task)
-        g = await auth.admit(alice, None, 10)
-        assert dict(g.headers)[b"x-ratelimit-remaining-tokens"] == b"90"
-        # the relay dispatches two attempts in the request's task; 50 tokens streamed in all
-        for i, streamed in enumerate((20, 30)):
-            f = Flight(f"r-{i}", 10, 4, clock.t, None)
-            f.tokens = streamed
-            store.add("a", f)
-        g.settle()
-
-    asyncio.run(request())
+    g = admit(auth, alice, None, 10)
+    assert dict(g.headers)[b"x-ratelimit-remaining-tokens"] == b"90"
+    # two attempts of the request end, 50 tokens streamed in all: charged to its key
+    for i, streamed in enumerate((20, 30)):
+        lifecycle.end(_attempt(f"r-{i}", alice, clock.t, streamed), clock.t, Outcome.OK)
     with pytest.raises(RateLimited) as e:  # 40 left: 50 more prompt tokens wait 6 s
         admit(auth, alice, None, 50)
     assert e.value.type == "tokens"
@@ -243,9 +248,13 @@ def test_tpm_counts_prompt_tokens_at_admission_and_output_tokens_when_known(tmp_
         admit(auth, alice, None, 101)
     assert b"retry-after" not in dict(e.value.headers)
     assert "Request too large" in e.value.message
-    # a request outside any grant charges no one
-    store.add("a", Flight("other", 10, 4, clock.t, None))
-    clock.t += 6.0
+    # an attempt without a key charges no one; an attempt ends (and charges) once
+    done = _attempt("other", None, clock.t, 50)
+    lifecycle.end(done, clock.t, Outcome.OK)
+    again = _attempt("r-0", alice, clock.t, 20)
+    lifecycle.end(again, clock.t, Outcome.OK)
+    assert not lifecycle.end(again, clock.t, Outcome.OK)
+    clock.t += 6.0 + 20 * 60 / 100  # (the 20 tokens charged again take 12 s to refill)
     admit(auth, alice, None, 50)
 
 

@@ -293,7 +293,7 @@ def test_the_cache_aware_policies_are_registered(capsys) -> None:
     assert policy_names()[-2:] == ("prefix-load", "cache-aware")
     assert "prefix_cache" in INPUTS
     for name in ("prefix-load", "cache-aware"):
-        assert consumes(name) == {"metrics", "prefix_cache"}
+        assert consumes(name) == {"load", "prefix_cache"}
     p = make_policy("prefix-load")
     assert (p.prefix_weight, p.queue_weight, p.kv_weight, p.load_weight,
             p.max_prefix_blocks) == (3.0, 2.0, 2.0, 0.0, 256)

@@ -198,7 +198,7 @@ def test_pages_are_served_with_their_assets():
 
 
 def test_the_explanation_header_keeps_the_chosen_and_the_best_within_its_size():
-    from duetime.gateway.routing import EXPLAIN_HEADER_BYTES, explain_header
+    from duetime.gateway.routing.explain_header import EXPLAIN_HEADER_BYTES, explain_header
 
     cands = [{"instance": f"i{k}", "chosen": k == 7, "score": float(k), "utility": None,
               "pad": "x" * 100} for k in range(300)]
@@ -216,11 +216,11 @@ def test_the_explanation_header_keeps_the_chosen_and_the_best_within_its_size():
 
 
 def test_each_instance_minute_forgets_without_a_reader():
-    from duetime.gateway.observatory import Observatory
+    from duetime.gateway.observe.observatory import Observatory
 
     obs = Observatory(["a"])
     for k in range(1000):  # ten minutes at 100 first tokens a minute, never read
-        obs.first_token(f"f{k}", "a", 0.1, 0.2 if k % 2 else 0.05, 0.1, 0.1, k * 0.6)
+        obs.record_first_token(f"f{k}", "a", 0.1, 0.2 if k % 2 else 0.05, 0.1, 0.1, k * 0.6)
     m = obs.minutes["a"]
     assert len(m.firsts) <= 101 and len(m.errors) == len(m.firsts)
     read = obs.minute("a", 999 * 0.6)
@@ -232,11 +232,11 @@ def test_each_instance_minute_forgets_without_a_reader():
 def test_the_latest_explanations_outlive_the_latest_decisions():
     """At a high rate an explained decision leaves the latest 20 within a second: the
     explained ones are kept apart, so that each reaches the dashboard."""
-    from duetime.gateway.observatory import Decision, Observatory
+    from duetime.gateway.observe.observatory import DecisionRecord, Observatory
 
     obs = Observatory(["a"])
     for k in range(100):
-        obs.decided(Decision(f"d{k}", 1000.0 + k / 100, "a", "m", "sfs", 1.0, 100.0, 1,
+        obs.record_decision(DecisionRecord(f"d{k}", 1000.0 + k / 100, "a", "m", "sfs", 1.0, 100.0, 1,
                              {"chosen": "a"} if k in (10, 40) else None), k / 100)
     assert [d.id for d in obs.explained] == ["d10", "d40"]
     assert "d10" not in {d.id for d in obs.recent} and len(obs.recent) == 50

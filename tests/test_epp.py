@@ -28,7 +28,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
 from duetime.gateway import pool_from_dict
-from duetime.gateway.extproc import CHUNK_BYTES
+from duetime.gateway.picker.messages import CHUNK_BYTES
 from duetime.service import Service
 from duetime.service.epp import PickerService
 from test_gateway import long_streams
@@ -215,7 +215,7 @@ def test_completion_routed_then_response_phases_feed_the_replica():
             await call.write(pb.ProcessingRequest(response_trailers=pb.HttpTrailers()))
             assert (await call.read()).HasField("response_trailers")
             await call.done_writing()
-            stats = inst.inflight.stats(time.monotonic())
+            stats = inst.ledger.stats(time.monotonic())
             assert stats.e2e_count == 1 and stats.output_tokens_sum == 4  # (usage-free: SSE)
 
     run(go())

@@ -1,5 +1,5 @@
 """Admission by priority (x-duetime-priority, llm-d's x-slo-* headers), the admission queue's
-fairness, and the gateway's own load in the forecasts (duetime.gateway.admission)."""
+fairness, and the gateway's own load in the forecasts (duetime.gateway.intake.admission, duetime.gateway.state.load)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from duetime.gateway.admission import AdmissionQueue, GatewayLoad
-from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.intake.admission import AdmissionQueue
+from duetime.gateway.prometheus import GatewayMetrics
+from duetime.gateway.state.load import GatewayLoad
 from test_gateway import chat, config, gateway, metric, run
 
 
@@ -48,6 +49,33 @@ def test_the_queue_is_bounded_and_a_wait_ends_with_its_timeout() -> None:
     assert asyncio.run(go()) == (False, False, 0)
 
 
+def test_the_queue_is_released_by_first_tokens_and_ends_whatever_counts_the_load() -> None:
+    """The queue learns that capacity may have freed from the attempt lifecycle itself: a
+    first token releases a waiter, an attempt's end another (before the lifecycle, only the
+    gateway's load told it, so with ``admission.gateway_load: false`` a critical request
+    waited out its whole target)."""
+    from types import SimpleNamespace
+
+    from duetime.gateway.state.flight import Flight
+    from duetime.gateway.state.lifecycle import Attempt, Lifecycle, Outcome
+
+    async def go() -> list[bool]:
+        q = AdmissionQueue(10, GatewayMetrics())
+        lifecycle = Lifecycle([q])  # (no GatewayLoad subscribed)
+        waits = [asyncio.create_task(q.wait(c, 5.0)) for c in ("a", "b", "c")]
+        await asyncio.sleep(0)
+        a = lifecycle.dispatch(Attempt(Flight("x", 10, 4, 0.0, None),
+                                       SimpleNamespace(subscribers=()), 1, 0.0, 1.0, "t", "s"))
+        lifecycle.record_first_token(a, 0.01)
+        lifecycle.end(a, 0.02, Outcome.OK)
+        released = await asyncio.wait_for(asyncio.gather(*waits[:2]), 5.0)  # (a, then b)
+        still = not waits[2].done()
+        waits[2].cancel()
+        return [*released, still]
+
+    assert asyncio.run(go()) == [True, True, True]
+
+
 def test_a_saturated_gateway_adds_its_backlog() -> None:
     """Startup's CPU is not requests' work; a window where the CPU was busy all along
     (0.9 s of CPU per second) forecasts the whole backlog: CPU per request x requests
@@ -61,16 +89,14 @@ def test_a_saturated_gateway_adds_its_backlog() -> None:
         t[0] += 0.5
         cpu[0] += 0.45
         load.answered()
-        load.completed()
+        load.ended()
     assert load.cpu_per_request_s == pytest.approx(0.45)
     assert load.utilization == pytest.approx(0.9)
     for _ in range(3):
         load.sent()
     assert load.delay_s() == pytest.approx(3 * 0.45)  # (the backlog: under 0.9 x 0.45 / 0.1)
-    pokes = []
-    load.on_capacity = lambda: pokes.append(1)
     load.answered()
-    assert pokes and load.awaiting == 2
+    assert load.awaiting == 2
 
 
 def test_a_lightly_loaded_gateway_adds_little() -> None:
@@ -82,14 +108,14 @@ def test_a_lightly_loaded_gateway_adds_little() -> None:
     load = GatewayLoad(1.0, cpu=lambda: cpu[0], clock=lambda: t[0])
     load.sent()
     t[0], cpu[0] = 1.0, 0.9  # a busy first window (compiling): 0.9 s of CPU for one request
-    load.completed()
+    load.ended()
     assert load.utilization == pytest.approx(0.9)
     for _ in range(10):
         load.sent()
     for k in range(10):  # then 10 requests in 1 s at 10 ms of CPU each
         t[0] = 1.0 + 0.1 * (k + 1)
         cpu[0] += 0.01
-        load.completed()
+        load.ended()
     assert load.cpu_per_request_s == pytest.approx(0.01)
     assert load.utilization == pytest.approx(0.1)
     assert load.delay_s() == pytest.approx(0.1 * 0.01 / 0.9)

@@ -1,6 +1,6 @@
 """Complete OpenAI answers for non-streaming clients, without vLLM.
 
-The gateway streams from upstream and merges the chunks (:mod:`duetime.gateway.reassembly`).
+The gateway streams from upstream and merges the chunks (:mod:`duetime.gateway.relay.reassembly`).
 These tests feed it chunk sequences in vLLM 0.32's shape (the fields, their order and their
 nulls as vLLM's stream writes them): tool-call deltas of two tools over several chunks, logprobs
 over chunks, token ids; once through the gateway from a recorded upstream, once through the
@@ -22,7 +22,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from duetime.gateway import pool_from_dict
-from duetime.gateway.reassembly import Reassembly
+from duetime.gateway.relay.reassembly import Reassembly
 from duetime.web.server import AppServer
 from duetime.web.sse import payload, split_events
 from test_gateway import chat, config, gateway

@@ -155,8 +155,9 @@ def test_overhead_and_tokenizer_resolve(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from duetime.estimate import SfsEstimator
-    from duetime.gateway import InstanceState, MemoryStore
-    from duetime.gateway.metrics import GatewayMetrics
+    from duetime.gateway.backends.memory import MemoryStore
+    from duetime.gateway.prometheus import GatewayMetrics
+    from duetime.gateway.state.instance import InstanceState
 
     tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -193,7 +194,7 @@ def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
     gw = Gateway(load_pool(write(tmp_path, GOOD + "tokenizer: tokenizer.json\n")))
 
     def count(body: dict, chat: bool) -> int:
-        return gw.router.count_tokens(parse_completion(json.dumps(body).encode(), chat=chat))
+        return gw.intake.count_tokens(parse_completion(json.dumps(body).encode(), chat=chat))
 
     words = "hello world " * 50  # 100 words, 100 tokens; the estimate would say ~30
     assert count({"prompt": words}, False) == 100

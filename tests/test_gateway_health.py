@@ -1,11 +1,11 @@
-"""Outlier detection and the ejection budget (duetime.gateway.health), on a fake clock."""
+"""Outlier detection and the ejection budget (duetime.gateway.state.health), on a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from duetime.gateway.health import EjectionBudget, HealthTracker
-from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway.prometheus import GatewayMetrics
+from duetime.gateway.state.health import EjectionBudget, HealthTracker
 
 
 class Clock:

@@ -12,7 +12,7 @@ import zmq
 
 from duetime.engine import Engine, Paper4, SchedulerConfig
 from duetime.gateway.config import KvEventsSpec
-from duetime.gateway.event_cache import EventCache
+from duetime.gateway.state.event_cache import EventCache
 from duetime.web.prefix_keys import token_block_keys
 from test_kv_events import AllBlocksCleared, FakePublisher, encode, h, stored, wait_for
 
@@ -63,7 +63,7 @@ def test_events_correct_the_replica_and_unconfirmed_predictions_expire(publisher
         assert eng.cached_prefix(keys) == 12  # another client's prompt, told by its events
         publisher.publish(encode([stored([], None, [])]))  # (an empty store: nothing)
         seen = ev.subscriber.batches
-        from duetime.gateway.kv_events import BlockRemoved
+        from duetime.gateway.state.kv_events import BlockRemoved
         publisher.publish(encode([BlockRemoved(tuple(hashes[6:]), "GPU")]))
         wait_for(lambda: ev.subscriber.batches > seen)
         ev.apply(eng, now=0.0)
@@ -140,7 +140,7 @@ def test_the_gateway_prices_hits_its_events_report(publisher) -> None:
                 warm = await ask(prompt)
                 cold = await ask(other)
                 source = inst.cache_source
-                from duetime.gateway.kv_events import BlockRemoved
+                from duetime.gateway.state.kv_events import BlockRemoved
                 seen = inst.events.subscriber.batches
                 publisher.publish(encode([BlockRemoved(tuple(hashes[6:]), "GPU")]))
                 wait_for(lambda: inst.events.subscriber.batches > seen)

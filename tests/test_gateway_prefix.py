@@ -139,19 +139,20 @@ def test_adopting_the_cache_config_keeps_the_requests_in_flight() -> None:
     running one as running), with the instance's numbers."""
     import time
 
-    from duetime.gateway import InstanceState, MemoryStore
+    from attempts import dispatch, first_token
+    from duetime.gateway.backends.memory import MemoryStore
     from duetime.gateway.config import pool_from_dict as gateway_pool
-    from duetime.gateway.metrics import GatewayMetrics
+    from duetime.gateway.prometheus import GatewayMetrics
+    from duetime.gateway.state.instance import InstanceState
     from test_gateway import PRICE
 
     pool = gateway_pool({"instances": [{"name": "u", "model": "qwen3-0.6b", "url": "http://h",
                                         "profile": "qwen3-0.6b", "price_usd_per_mtok": PRICE}]})
     now = time.monotonic()
     inst = InstanceState(pool.instances[0], pool, GatewayMetrics(), MemoryStore(), now)
-    a = inst.dispatch("a", 500, 10, now, None)
-    inst.dispatch("b", 300, 10, now, None)
-    a.tokens = 1
-    inst.first_token(a, now)
+    a = dispatch(inst, "a", 500, 10, now, None)
+    dispatch(inst, "b", 300, 10, now, None)
+    first_token(a, now)
     assert inst.adopt_cache_config({"num_gpu_blocks": 900, "block_size": 32,
                                     "enable_prefix_caching": True})
     assert not inst.adopt_cache_config({"num_gpu_blocks": 900})  # (nothing new)

@@ -127,7 +127,7 @@ def test_a_sessions_binding_holds_on_every_replica(redis_server: RedisServer):
                 h = {"x-session-id": "conversation-7"}
                 r = await ca.post("/v1/chat/completions", json=chat(), headers=h)
                 first = r.headers.get("x-duetime-instance")
-                bindings = sb.gateway.policy.bindings
+                bindings = sb.gateway.policies.default.bindings
                 await wait_for(lambda: "conversation-7" in bindings, 10.0)
                 r = await cb.post("/v1/chat/completions", json=chat(), headers=h)
                 return first, bindings.get("conversation-7"), r.headers.get(

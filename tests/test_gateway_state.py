@@ -7,10 +7,15 @@ import time
 
 import pytest
 
+from attempts import dispatch, end, first_token, progress
 from duetime.engine import ResidentRequest, SchedulerConfig, Sfs6, Snapshot
-from duetime.gateway import InstanceState, MemoryStore, pool_from_dict
-from duetime.gateway.inflight import DONE_MEMORY_S, Flight, InFlight
-from duetime.gateway.metrics import GatewayMetrics
+from duetime.gateway import pool_from_dict
+from duetime.gateway.backends.memory import ENDED_MEMORY_S, MemoryStore
+from duetime.gateway.prometheus import GatewayMetrics
+from duetime.gateway.state.flight import Flight
+from duetime.gateway.state.instance import InstanceState
+from duetime.gateway.state.ledger import Ledger
+from duetime.gateway.state.lifecycle import Attempt, Lifecycle, Outcome
 
 
 def _state(**state) -> InstanceState:
@@ -23,8 +28,8 @@ def _state(**state) -> InstanceState:
 def test_reads_have_no_side_effects_and_refresh_moves_time():
     s = _state()
     t = time.monotonic()
-    s.dispatch("x", 20000, 50, t, None)
-    s.dispatch("y", 100, 50, t, None)
+    dispatch(s, "x", 20000, 50, t, None)
+    dispatch(s, "y", 100, 50, t, None)
     eng = s.shadow.engine
     rev = eng.revision
     for _ in range(3):  # every read of the InstanceView, twice over
@@ -44,43 +49,51 @@ def test_reads_have_no_side_effects_and_refresh_moves_time():
 def test_events_flow_to_the_replica_and_the_ledger():
     s = _state(sync_interval_s=0.0)
     t0 = time.monotonic()
-    f = s.dispatch("x", 100, 20, t0, 0.01)
+    a = dispatch(s, "x", 100, 20, t0, 0.01)
+    f = a.flight
     assert s.flights == {"x": f} and f.shadowed
-    s.first_token(f, t0 + 0.05)
-    s.progress(f, 5)
+    first_token(a, t0 + 0.05)
+    progress(a, 5)
     s.refresh(t0 + 0.05)
     r = s.shadow.engine.request("x")
     assert (r["output_tokens"], r["computed_tokens"]) == (5, 104)  # corrected by the stream
-    s.complete(f, t0 + 0.1, output_tokens=5)
-    assert not s.flights and "x" in s.inflight.done and s.shadow.idle
+    assert end(a, t0 + 0.1, output_tokens=5)
+    assert not s.flights and "x" in s.ledger.ended and s.shadow.idle
     st = s.stats
     assert (st.arrivals, st.ttft_count, st.output_tokens_sum) == (1, 1, 5)
     assert st.mean_ttft == pytest.approx(0.05)
-    s.complete(f, t0 + 0.2)  # twice: nothing happens
+    assert not end(a, t0 + 0.2)  # twice: nothing happens
     assert s.stats.e2e_count == 1
 
 
-def test_memory_store_remembers_recent_completions_for_a_while():
+def test_memory_store_remembers_recent_ends_for_a_while():
     store = MemoryStore()
-    led = InFlight("a", store)
+    led = Ledger("a", store)
+    lifecycle = Lifecycle([led])
     for k in range(100):
         f = Flight(f"r{k}", 10, 5, float(k), None)
-        led.dispatch(f)
-        led.complete(f, float(k), 5)
-    done = store.done("a")
-    assert "r99" in done and "r0" not in done
-    assert len(done) <= 65  # bounded: the oldest, older than DONE_MEMORY_S, are forgotten
-    assert all(f"r{k}" in done for k in range(99 - int(DONE_MEMORY_S), 100))
+        a = lifecycle.dispatch(Attempt(f, _NoParts(), 1, float(k), 1.0, "test", "shadow"))
+        lifecycle.end(a, float(k), Outcome.OK, output_tokens=5)
+    ended = store.ended("a")
+    assert "r99" in ended and "r0" not in ended
+    assert len(ended) <= 65  # bounded: the oldest, older than ENDED_MEMORY_S, are forgotten
+    assert all(f"r{k}" in ended for k in range(99 - int(ENDED_MEMORY_S), 100))
     assert store.flights("a") == {} and store.remove("a", "r5", 200.0) is None
+
+
+class _NoParts:
+    """An instance with no parts of its own (the ledger is pool-wide here)."""
+
+    subscribers = ()
 
 
 def test_a_published_snapshot_is_merged_with_what_the_gateway_did_since():
     s = _state()
     cfg, model = SchedulerConfig(), Sfs6(c0=1e-3, cp=1e-6, cpsq=0.0, cd=1e-5, cs=0.0, css=0.0)
     now = time.monotonic()
-    f_done = s.dispatch("old", 10, 5, now, None)
-    f_new = s.dispatch("new", 30, 5, now, None)
-    s.complete(f_done, now)
+    f_done = dispatch(s, "old", 10, 5, now, None)
+    f_new = dispatch(s, "new", 30, 5, now, None)
+    end(f_done, now)
     pub = Snapshot(cfg, model, time=100.0, running=[ResidentRequest("old", 10, 9, 1, 5)],
                    waiting=[ResidentRequest("other", 40, 0, 0, 5)])
     s.published.set(pub, instance_clock=100.0, sent=now, received=now)
@@ -89,6 +102,6 @@ def test_a_published_snapshot_is_merged_with_what_the_gateway_did_since():
     assert [r.id for r in merged.running] == []  # "old" finished since
     assert [r.id for r in merged.waiting] == ["other", "new"]  # "new" not seen there yet
     assert merged.time >= now
-    s.first_token(f_new, time.monotonic())
+    first_token(f_new, time.monotonic())
     assert [r.id for r in s.snapshot().running] == ["new"]
     assert _state(source="shadow").source() == "shadow"

@@ -1,4 +1,4 @@
-"""The gateway's consumer of vLLM's KV-cache events (duetime.gateway.kv_events).
+"""The gateway's consumer of vLLM's KV-cache events (duetime.gateway.state.kv_events).
 
 A fake publisher here speaks vLLM's wire protocol (PUB of ``(topic, seq, payload)`` and a
 ROUTER replay endpoint over a buffer of past batches), encoding events the vLLM 0.32 way
@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import zmq
 
-from duetime.gateway.kv_events import (
+from duetime.gateway.state.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from duetime.cli import main
-from duetime.gateway import Gateway, pool_from_dict
+from duetime.gateway import pool_from_dict
+from duetime.gateway.app import Gateway
 from duetime.policy import (
     INPUTS,
     Candidate,
@@ -37,11 +38,12 @@ def test_every_policy_is_registered_with_its_declarations():
         assert cls.name == name and cls.summary
         assert set(cls.consumes) <= set(INPUTS)
         assert make_policy(name).name == name
-    assert consumes("sfs") >= {"snapshot", "quality"} and "metrics" not in consumes("sfs")
-    assert consumes("load-aware") == {"metrics"}
+    assert consumes("sfs") >= {"snapshot", "quality"} and "load" not in consumes("sfs")
+    assert consumes("load-aware") == {"load"}
+    assert consumes("session-affinity") == {"load", "session_bindings"}
     assert consumes("laar") >= {"success"} and "quality" not in consumes("laar")
     assert "stats" in consumes("lps")
-    assert consumes("cache-aware") == consumes("prefix-load") == {"metrics", "prefix_cache"}
+    assert consumes("cache-aware") == consumes("prefix-load") == {"load", "prefix_cache"}
 
 
 def test_parameters_are_typed_defaulted_and_checked():
@@ -105,7 +107,7 @@ def test_a_new_policy_is_one_class_and_one_registration(cheapest, capsys, tmp_pa
                            "instances": [{"name": "a", "model": "qwen3-8b",
                                           "url": "http://127.0.0.1:9", "profile": "qwen3-8b"}]})
     assert (pool.policy, pool.policy_params) == ("cheapest-test", {"bias": 2.0})
-    assert Gateway(pool).policy.bias == 2.0
+    assert Gateway(pool).policies.default.bias == 2.0
 
 
 def test_the_simulator_gives_a_policy_what_it_declares(cheapest):
@@ -147,18 +149,33 @@ def test_the_gateway_polls_only_what_its_policy_consumes(policy, source, snapsho
 
 
 def test_the_gateway_predicts_only_what_its_policy_consumes():
-    from duetime.gateway.relay import Controls
-    from duetime.web.requests import parse_completion
+    import asyncio
 
-    req = parse_completion(b'{"messages": [{"role": "user", "content": "hi"}]}', chat=True)
-    ctl = Controls(1.0, frozenset(), None, "*")
-    assert Gateway(_pool("round-robin")).router.predict(req, ctl) == (None, None, None)
-    q, s, n = Gateway(_pool("sfs")).router.predict(req, ctl)
+    from duetime.gateway.intake.request import KeyCheck
+
+    def predicted(policy: str) -> tuple:
+        ctx = asyncio.run(Gateway(_pool(policy)).intake.take(
+            b'{"messages": [{"role": "user", "content": "hi"}]}', {"headers": []},
+            arrival=0.0, chat=True, keys=KeyCheck.NONE))
+        return ctx.quality, ctx.success, ctx.lengths
+
+    assert predicted("round-robin") == (None, None, None)
+    q, s, n = predicted("sfs")
     assert q is not None and set(q) == {"qwen3-8b"} and s is None and n is None
-    q, s, n = Gateway(_pool("laar")).router.predict(req, ctl)
+    q, s, n = predicted("laar")
     assert q is None and s is not None and n is None
-    assert s["qwen3-8b"] == pytest.approx(Gateway(_pool("sfs")).router.predict(req, ctl)[0][
-        "qwen3-8b"])  # the table's quality read as a probability
+    assert s["qwen3-8b"] == pytest.approx(predicted("sfs")[0]["qwen3-8b"])  # (the table's
+    # quality read as a probability)
+
+
+def test_shared_session_bindings_are_given_to_the_policies_that_consume_them():
+    """Session bindings are a declared input: a caller that provides a mapping (the gateway's
+    replicas share one) gives it to a policy that consumes ``session_bindings``; otherwise
+    the policy keeps its own."""
+    shared: dict[str, str] = {}
+    assert make_policy("session-affinity", bindings=shared).bindings is shared
+    assert make_policy("session-affinity").bindings is not shared
+    assert not hasattr(make_policy("load-aware", bindings=shared), "bindings")
 
 
 def test_cli_policy_params_are_checked(capsys, tmp_path):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from duetime.gateway.prompt_tokens import PromptTokenizer, TokenizerError
 from duetime.web.prefix_keys import prompt_block_keys, token_block_keys
+from duetime.web.prompt_tokens import PromptTokenizer, TokenizerError
 from duetime.web.requests import parse_completion
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
@@ -132,10 +132,10 @@ def test_the_gateway_keys_blocks_by_the_servers_tokens(tmp_path):
     pool = pool_from_dict({"instances": [{"name": "s", "model": "qwen3-0.6b", "url": "http://h",
                                           "profile": "qwen3-0.6b"}],
                            "tokenizer": str(folder)})
-    router = Gateway(pool).router
+    intake = Gateway(pool).intake
     first = [{"role": "user", "content": "the quick brown fox " * 20}]
     req = chat(messages=first)
-    n = router.count_tokens(req)
+    n = intake.count_tokens(req)
     text = PromptTokenizer(folder).render({"messages": first})
     assert req.token_ids == tok.encode(text, add_special_tokens=False).ids and n == len(
         req.token_ids)
@@ -143,5 +143,5 @@ def test_the_gateway_keys_blocks_by_the_servers_tokens(tmp_path):
     assert keys == token_block_keys(req.token_ids, 16) and len(keys) == n // 16
     second = chat(messages=[*first, {"role": "assistant", "content": "the lazy dog"},
                             {"role": "user", "content": "hello world"}])
-    router.count_tokens(second)
+    intake.count_tokens(second)
     assert prompt_block_keys(second, 16)[:len(keys)] == keys

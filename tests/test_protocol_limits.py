@@ -504,7 +504,7 @@ def test_openapi_document_passes_openapi_spec_validator():
     """(openapi-spec-validator: a test dependency, pyproject's ``test`` extra)."""
     import openapi_spec_validator as validator
 
-    from duetime.gateway.openapi import openapi_document
+    from duetime.gateway.observe.openapi import openapi_document
 
     async def go() -> dict[str, Any]:
         async with gateway(config()) as (_svc, c):
@@ -516,7 +516,7 @@ def test_openapi_document_passes_openapi_spec_validator():
 
 
 def test_openapi_paths_are_exactly_the_apps_routes():
-    from duetime.gateway.openapi import openapi_document
+    from duetime.gateway.observe.openapi import openapi_document
 
     async def go() -> tuple[set[str], set[str]]:
         async with gateway(config()) as (svc, c):

@@ -11,34 +11,35 @@ from typing import Any
 
 import pytest
 
-from duetime.gateway.inflight import Flight
-from duetime.gateway.metrics import GatewayMetrics
-from duetime.gateway.ratelimit import Draw
-from duetime.gateway.ratelimit_redis import RedisLimitStore
-from duetime.gateway.store_redis import RedisConnection, RedisFlightStore
+from duetime.gateway.backends.redis_connection import RedisConnection
+from duetime.gateway.backends.redis_flights import RedisFlightStore
+from duetime.gateway.backends.redis_limits import RedisLimitStore
+from duetime.gateway.intake.ratelimit import Draw
+from duetime.gateway.prometheus import GatewayMetrics
+from duetime.gateway.state.flight import Flight
 from redis_server import RedisServer
 
 
 class Recorder:
-    """A RemoteListener that writes down what it was told."""
+    """A PeerListener that writes down what it was told."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
         self.ejected: str | None = None
 
-    def remote_dispatch(self, f: Flight, now: float) -> None:
+    def on_peer_dispatch(self, f: Flight, now: float) -> None:
         self.events.append(("dispatch", f.id))
 
-    def remote_first_token(self, f: Flight, now: float) -> None:
+    def on_peer_first_token(self, f: Flight, now: float) -> None:
         self.events.append(("first", f.id))
 
-    def remote_end(self, f: Flight, now: float) -> None:
+    def on_peer_end(self, f: Flight, now: float) -> None:
         self.events.append(("end", f.id))
 
-    def remote_ejected(self, by: str) -> None:
+    def on_peer_eject(self, by: str) -> None:
         self.ejected = by
 
-    def remote_readmitted(self) -> None:
+    def on_peer_readmit(self) -> None:
         self.ejected = None
 
 

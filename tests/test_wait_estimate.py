@@ -237,7 +237,7 @@ def test_lazy_stepping_changes_nothing(policy: str) -> None:
     """A policy that reads no instance state: the simulator steps an instance only when it
     gets a request; stepping every busy one at every arrival gives the same times, noise
     included."""
-    from duetime.policy.registry import METRICS
+    from duetime.policy.registry import LOAD
 
     prof = load_workload("paper").with_replicas(4)
     rng = np.random.default_rng(5)
@@ -246,7 +246,7 @@ def test_lazy_stepping_changes_nothing(policy: str) -> None:
     for eager in (False, True):
         pol = make_policy(policy)
         if eager:
-            pol.consumes = pol.consumes | {METRICS}
+            pol.consumes = pol.consumes | {LOAD}
         res = ClusterSim(prof, pol, noise=0.05, seed=2).run(reqs)
         runs.append((res.instance, res.first_token, res.finish))
     for a, b in zip(*runs, strict=True):

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from duetime.gateway.prompt_tokens import PromptTokenizer
+from duetime.web.prompt_tokens import PromptTokenizer
 from duetime.web.requests import parse_completion
 
 from .conftest import _Proc, _wait_healthy

@@ -16,7 +16,7 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
-from duetime.gateway.auth import AuthConfig, AuthSpec, resolve_auth
+from duetime.gateway.keys import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
 from duetime.web.limits import DEFAULT_LIMITS, LimitsSpec
 
@@ -141,7 +141,7 @@ class StateSpec(_Strict):
     # online correction of each instance's TTFT forecasts from the first tokens it delivers
     # (duetime.estimate.correction): on unless false
     ttft_correction: bool = True
-    # where gateway replicas share live state (duetime.gateway.store_redis): a redis:// (or
+    # where gateway replicas share live state (duetime.gateway.backends.redis_flights): a redis:// (or
     # rediss://, unix://) URL; unset: this process's memory only
     store: str | None = None
     # a replica syncs with the store at each dispatch, first token and end (its own or, told
@@ -166,7 +166,7 @@ class TimeoutSpec(_Strict):
 
 class HealthSpec(_Strict):
     """``health:`` probes, outlier detection and how much of the pool may be ejected
-    (:mod:`duetime.gateway.health`)."""
+    (:mod:`duetime.gateway.state.health`)."""
 
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
@@ -181,7 +181,7 @@ class HealthSpec(_Strict):
 
 class AdmissionSpec(_Strict):
     """``admission:`` what happens when no instance can meet a request's target, by its
-    priority (:mod:`duetime.gateway.admission`)."""
+    priority (:mod:`duetime.gateway.intake.admission`)."""
 
     max_queued: int = Field(256, ge=0, le=100_000)  # critical requests waiting in the gateway
     # the gateway's own CPU in every forecast: the wait at its measured utilization, capped by
@@ -203,7 +203,7 @@ class PoolSpec(_Strict):
     default_output_tokens: int = Field(256, ge=1)
     aliases: list[str] = [ALIAS_DEFAULT]
     # a model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja) or a
-    # tokenizer.json: prompts as the token ids vLLM sees (duetime.gateway.prompt_tokens)
+    # tokenizer.json: prompts as the token ids vLLM sees (duetime.gateway.intake.prompt_tokens)
     tokenizer: str | None = None
     chat_template: str | None = None  # a jinja file: overrides the tokenizer folder's template
     quality: QualitySpec = QualitySpec()
@@ -212,7 +212,7 @@ class PoolSpec(_Strict):
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
     admission: AdmissionSpec = AdmissionSpec()
-    auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.auth)
+    auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.keys)
     limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.web.limits)
 
 
@@ -310,6 +310,13 @@ class Pool:
         return replace(self, instances=tuple(replace(i, url=urls.get(i.name, i.url))
                                              for i in self.instances))
 
+    def policy_defaults(self, lam: float | None = None) -> dict[str, Any]:
+        """The pool's shared policy settings (``lambda``, ``seed``, ``delta``, ``alpha``): they
+        apply to every policy that declares them, the pool's and any a request asks for
+        (``lam``: a request's own lambda instead of the pool's)."""
+        return {"lambda": self.lam if lam is None else lam, "seed": self.seed,
+                "delta": self.delta, "alpha": self.alpha}
+
     def target_ms(self, prompt_tokens: int) -> float:
         t = self.target
         return min(max(t.base_ms + t.per_prompt_token_ms * prompt_tokens, t.min_ms), t.max_ms)
@@ -350,6 +357,9 @@ def pool_from_dict(data: Any, source: str = "pool") -> Pool:
     return _resolve(spec, source)
 
 
+Fail = Any  # (a function of (field, reason) that makes the ConfigError to raise)
+
+
 def _resolve(spec: PoolSpec, source: str) -> Pool:
     def fail(where: str, why: str) -> ConfigError:
         return ConfigError(f"{source}: {where}: {why}")
@@ -362,7 +372,32 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
             workload = load_workload(q.workload)
         except ProfileError as e:
             raise fail("quality.workload", str(e)) from None
+    insts = _instances(spec, workload, source, fail)
+    models = list(dict.fromkeys(i.model for i in insts))
+    clash = sorted(set(spec.aliases) & set(models))
+    if clash:
+        raise fail("aliases", f"{clash} are also model names")
+    table = _quality_table(q, workload, models, fail)
+    base = Path(source).parent if Path(source).is_file() else Path.cwd()
+    predictor = _predictor(q.predictor, base, models, fail)
+    tokenizer, chat_template = _tokenizer(spec, base, fail)
+    t = spec.ttft_target
+    if t.min_ms > t.max_ms:
+        raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
+    if not math.isfinite(spec.lambda_):
+        raise fail("lambda", "must be finite")
+    policy, params = _policy(spec.policy, source)
+    auth = resolve_auth(spec.auth, base, models, spec.aliases, fail)
+    return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
+                spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
+                q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
+                admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
+                chat_template=chat_template, auth=auth, limits=spec.limits)
 
+
+def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[Instance]:
+    """The pool's instances resolved: names unique, a URL or an emulator each, their profile,
+    timing (speed applied), limits, prices (given, or the quality workload's) and overhead."""
     names: set[str] = set()
     insts = []
     for w, s in _expanded(spec.instances, fail):
@@ -399,11 +434,13 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,
                               None if s.emulate is None else s.emulate.model_dump(), profile,
                               ispec, s.snapshot, s.kv_events))
+    return insts
 
-    models = list(dict.fromkeys(i.model for i in insts))
-    clash = sorted(set(spec.aliases) & set(models))
-    if clash:
-        raise fail("aliases", f"{clash} are also model names")
+
+def _quality_table(q: QualitySpec, workload: Any, models: list[str],
+                   fail: Fail) -> dict[str, dict[str, float]]:
+    """Task -> model -> accuracy: the quality workload's, overridden by ``quality.tasks``;
+    every model needs an accuracy for every task."""
     table: dict[str, dict[str, float]] = {}
     if workload is not None:
         for t, task in workload.tasks.items():
@@ -420,22 +457,30 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     if q.default_task is not None and q.default_task not in table:
         raise fail("quality.default_task", f"unknown task {q.default_task!r}; tasks: "
                    f"{', '.join(table)}")
-    predictor = None
-    if q.predictor is not None:
-        from duetime.predict.quality_source import Trained
-        base = Path(source).parent if Path(source).is_file() else Path.cwd()
-        predictor = str(Path(q.predictor) if Path(q.predictor).is_absolute()
-                        else base / q.predictor)
-        try:
-            trained = Trained(predictor)
-        except (OSError, ValueError) as e:  # PredictorFormatError is a ValueError
-            raise fail("quality.predictor", str(e)) from None
-        unknown = [m for m in models if m not in trained.predictor.models]
-        if unknown:
-            raise fail("quality.predictor", f"the predictor knows no model(s) {unknown} (it was "
-                       f"trained for {', '.join(trained.predictor.models)})")
+    return table
+
+
+def _predictor(path: str | None, base: Path, models: list[str], fail: Fail) -> str | None:
+    """``quality.predictor``: a trained predictor folder that knows every model (loaded once
+    here to check it)."""
+    if path is None:
+        return None
+    from duetime.predict.quality_source import Trained
+    predictor = str(Path(path) if Path(path).is_absolute() else base / path)
+    try:
+        trained = Trained(predictor)
+    except (OSError, ValueError) as e:  # PredictorFormatError is a ValueError
+        raise fail("quality.predictor", str(e)) from None
+    unknown = [m for m in models if m not in trained.predictor.models]
+    if unknown:
+        raise fail("quality.predictor", f"the predictor knows no model(s) {unknown} (it was "
+                   f"trained for {', '.join(trained.predictor.models)})")
+    return predictor
+
+
+def _tokenizer(spec: PoolSpec, base: Path, fail: Fail) -> tuple[str | None, str | None]:
+    """``tokenizer`` and ``chat_template``: paths that exist, and a tokenizer that loads."""
     tokenizer = chat_template = None
-    base = Path(source).parent if Path(source).is_file() else Path.cwd()
     if spec.chat_template is not None:
         if spec.tokenizer is None:
             raise fail("chat_template", "needs a tokenizer (the template's text is encoded "
@@ -444,7 +489,7 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         if not Path(chat_template).is_file():
             raise fail("chat_template", f"{chat_template}: no such file")
     if spec.tokenizer is not None:
-        from duetime.gateway.prompt_tokens import PromptTokenizer, TokenizerError
+        from duetime.web.prompt_tokens import PromptTokenizer, TokenizerError
         tokenizer = str(base / spec.tokenizer)
         if not Path(tokenizer).exists():
             raise fail("tokenizer", f"{tokenizer}: no such file or folder")
@@ -452,21 +497,10 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
             PromptTokenizer(tokenizer, chat_template)
         except TokenizerError as e:
             raise fail("tokenizer", str(e)) from None
-    t = spec.ttft_target
-    if t.min_ms > t.max_ms:
-        raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
-    if not math.isfinite(spec.lambda_):
-        raise fail("lambda", "must be finite")
-    policy, params = _policy(spec.policy, source)
-    auth = resolve_auth(spec.auth, base, models, spec.aliases, fail)
-    return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
-                spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
-                q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
-                admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
-                chat_template=chat_template, auth=auth, limits=spec.limits)
+    return tokenizer, chat_template
 
 
-def _expanded(instances: list[_InstanceIn], fail: Any) -> list[tuple[str, _InstanceIn]]:
+def _expanded(instances: list[_InstanceIn], fail: Fail) -> list[tuple[str, _InstanceIn]]:
     """Each instance with where it was written; an emulated one with ``replicas: N`` becomes
     N instances ``name.0`` .. ``name.{N-1}`` whose emulators are seeded one apart."""
     out = []

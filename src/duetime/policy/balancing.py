@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
-from duetime.policy.registry import METRICS
+from duetime.policy.registry import LOAD
 
 
 class RoundRobin(Policy):
@@ -34,7 +34,7 @@ class ShortestQueue(Policy):
 
     name = "shortest-queue"
     summary = "fewest resident requests (running + waiting); random tie-break"
-    consumes = frozenset({METRICS})
+    consumes = frozenset({LOAD})
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         load = np.array([c.view.num_running + c.view.num_waiting for c in cands])
@@ -58,7 +58,7 @@ class LoadAware(Policy):
     name = "load-aware"
     summary = ("llm-d's load-aware scorer: 0.5 if nothing waits, else 0.5 (1 - min(waiting, "
                "128) / 128); the best score, random tie-break")
-    consumes = frozenset({METRICS})
+    consumes = frozenset({LOAD})
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         scores = np.array([load_aware_score(c.view.num_waiting) for c in cands])

@@ -18,7 +18,7 @@ import numpy as np
 from duetime.estimate.prefix_index import PrefixIndex, prefix_index_of
 from duetime.policy.balancing import load_aware_score
 from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
-from duetime.policy.registry import METRICS, PREFIX, SEED, Param
+from duetime.policy.registry import LOAD, PREFIX, SEED, Param
 
 
 class _Hashes:
@@ -114,7 +114,7 @@ class PrefixLoad(Policy):
                "(matched / prompt blocks), queue, kv-cache-utilization and load-aware scores; "
                "random tie-break; records the prompt on the chosen instance's prefix index")
     params = (SEED, PREFIX_WEIGHT, QUEUE_WEIGHT, KV_WEIGHT, LOAD_WEIGHT, MAX_PREFIX_BLOCKS)
-    consumes = frozenset({METRICS, PREFIX})
+    consumes = frozenset({LOAD, PREFIX})
 
     def __init__(self, *, seed: int = 0, prefix_weight: float = PREFIX_WEIGHT.default,
                  queue_weight: float = QUEUE_WEIGHT.default,
@@ -224,7 +224,7 @@ class CacheAware(Policy):
                "imbalanced, else the best prefix match if its rate > cache-threshold, else the "
                "smallest cache; records the prompt on the chosen instance's prefix index")
     params = (SEED, CACHE_THRESHOLD, BALANCE_ABS, BALANCE_REL)
-    consumes = frozenset({METRICS, PREFIX})
+    consumes = frozenset({LOAD, PREFIX})
 
     def __init__(self, *, seed: int = 0, cache_threshold: float = CACHE_THRESHOLD.default,
                  balance_abs_threshold: int = BALANCE_ABS.default,

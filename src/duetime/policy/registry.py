@@ -5,7 +5,7 @@ register a type with its parameters).
 
 What a policy may consume (:data:`INPUTS`): the gateway keeps fresh only what its policy
 declares (it polls ``/snapshot`` and steps the shadow replicas for ``snapshot``, scrapes
-``/metrics`` for ``metrics``, asks the predictors for ``quality``, ``success`` or
+``/metrics`` for ``load``, asks the predictors for ``quality``, ``success`` or
 ``output_length``) and fills only the declared fields of the
 :class:`~duetime.policy.base.RoutingRequest`: a policy that reads what it did not declare
 fails at once instead of silently reading stale or missing state. ``prefix_cache`` is carried
@@ -21,7 +21,7 @@ simulate --policy`` and the pool config's ``policy:`` then know it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,29 +29,33 @@ if TYPE_CHECKING:
     from duetime.policy.base import Policy
 
 SNAPSHOT = "snapshot"
-METRICS = "metrics"
+LOAD = "load"
 STATS = "stats"
 QUALITY = "quality"
 SUCCESS = "success"
 OUTPUT_LENGTH = "output_length"
 PREFIX = "prefix_cache"
+SESSIONS = "session_bindings"
 
 INPUTS: dict[str, str] = {
     SNAPSHOT: "each instance's resident requests (a snapshot: published by the instance, or "
               "the gateway's shadow replica)",
-    METRICS: "each instance's load gauges (running, waiting, KV use: vLLM's /metrics)",
+    LOAD: "each instance's load gauges (running, waiting, KV use: scraped from vLLM's "
+          "/metrics, else read from the snapshot)",
     STATS: "each instance's time-averaged observations (arrival rate, mean lengths, latency)",
     QUALITY: "the request's predicted quality per candidate model",
     SUCCESS: "the request's predicted probability of a correct answer per candidate model",
     OUTPUT_LENGTH: "the request's predicted output tokens per candidate model",
     PREFIX: "each instance's prefix-cache index: precise (the instance's own cache, as KV "
             "events give it) or estimated (inferred from the router's own routing decisions)",
+    SESSIONS: "session bindings (session -> instance) it reads and writes: its own, unless "
+              "the caller provides a shared mapping (the gateway's replicas share theirs)",
 }
 
 # what is read from the instances (the rest is about the request): a policy that consumes none
 # of these never looks at an instance's state (the simulator then steps an instance only when
 # it is given a request)
-INSTANCE_INPUTS = frozenset({SNAPSHOT, METRICS, STATS, PREFIX})
+INSTANCE_INPUTS = frozenset({SNAPSHOT, LOAD, STATS, PREFIX})
 
 
 class PolicyError(ValueError):
@@ -158,10 +162,13 @@ def check_params(name: str, params: Mapping[str, Any] | None, where: str = "poli
 
 
 def make_policy(name: str, params: Mapping[str, Any] | None = None, *,
-                defaults: Mapping[str, Any] | None = None, where: str = "policy") -> Policy:
+                defaults: Mapping[str, Any] | None = None, where: str = "policy",
+                bindings: MutableMapping[str, str] | None = None) -> Policy:
     """A policy by name. ``params`` must be the policy's own (checked strictly);
     ``defaults`` are shared settings (a pool's ``lambda``, ``seed``, ...) that apply to the
-    policies that declare them and are ignored by the others."""
+    policies that declare them and are ignored by the others. ``bindings``: session bindings
+    the caller provides, given to a policy that consumes :data:`SESSIONS` (None: it keeps its
+    own)."""
     cls = policy_class(name)
     given = check_params(name, params, where)
     kwargs = {}
@@ -172,6 +179,8 @@ def make_policy(name: str, params: Mapping[str, Any] | None = None, *,
             kwargs[p.arg] = p.parse(defaults[p.name], f"{where}.{p.name}")
         else:
             kwargs[p.arg] = p.default
+    if bindings is not None and SESSIONS in cls.consumes:
+        kwargs["bindings"] = bindings
     return cls(**kwargs)
 
 

@@ -20,7 +20,15 @@ import numpy as np
 from duetime.estimate import LaarLatency, SfsEstimator
 from duetime.policy.balancing import LoadAware
 from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
-from duetime.policy.registry import METRICS, OUTPUT_LENGTH, SEED, SNAPSHOT, SUCCESS, Param
+from duetime.policy.registry import (
+    LOAD,
+    OUTPUT_LENGTH,
+    SEED,
+    SESSIONS,
+    SNAPSHOT,
+    SUCCESS,
+    Param,
+)
 
 ATTEMPTED_PENALTY = 100.0  # LAAR: cost multiplier for a model already tried for the request
 
@@ -31,14 +39,16 @@ class SessionAffinity(Policy):
 
     name = "session-affinity"
     summary = "a session's first request as load-aware; its later ones to the same instance"
-    consumes = frozenset({METRICS})
+    consumes = frozenset({LOAD, SESSIONS})
 
-    def __init__(self, *, seed: int = 0) -> None:
+    def __init__(self, *, seed: int = 0,
+                 bindings: MutableMapping[str, str] | None = None) -> None:
+        """``bindings``: session -> instance name, provided by a caller that shares them (a
+        gateway whose replicas share state); else the policy's own, bounded."""
         super().__init__(seed=seed)
         self._first = LoadAware(seed=seed)
-        # session -> instance name; a gateway whose replicas share state puts a shared mapping
-        # here (duetime.gateway.store_redis.SessionBindings)
-        self.bindings: MutableMapping[str, str] = BoundedDict(MAX_SESSIONS)
+        self.bindings: MutableMapping[str, str] = (
+            bindings if bindings is not None else BoundedDict(MAX_SESSIONS))
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         bound = None if req.session is None else self.bindings.get(req.session)

@@ -116,7 +116,7 @@ def _cmd_serve(args: argparse.Namespace, error: type[Exception]) -> int:
 def _cmd_keys_new(args: argparse.Namespace, error: type[Exception]) -> int:
     """A new key: the secret on stderr (shown once), its keys-file entry on stdout (so that
     ``>> keys.yaml`` appends the entry and not the secret)."""
-    from duetime.gateway.auth import key_digest, new_key
+    from duetime.gateway.keys import key_digest, new_key
 
     if args.admin and (args.model or args.rpm is not None or args.tpm is not None):
         raise error("--admin: an admin key has no --model, --rpm or --tpm")

@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute, Route
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.experiments.runner import Point, Runner
 from duetime.gateway.config import Pool
-from duetime.gateway.pages import page
+from duetime.gateway.observe.pages import page
 from duetime.metrics import summarize
 from duetime.policy.latency import DELTA
 from duetime.policy.registry import LAMBDA

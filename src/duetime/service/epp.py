@@ -1,10 +1,10 @@
-"""``duetime epp``: the endpoint picker (:mod:`duetime.gateway.epp`) with the pool's embedded
+"""``duetime epp``: the endpoint picker (:mod:`duetime.gateway.picker`) with the pool's embedded
 instances, started and stopped in order, and its Prometheus / health routes over HTTP.
 
 The picker keeps the same live state as ``duetime serve``: it builds a
-:class:`~duetime.gateway.app.Gateway` from the same pool config (its router, instances,
-pollers, KV-event subscriptions and in-flight store) and starts it without its HTTP app; Envoy
-does the relaying.
+:class:`~duetime.gateway.app.Gateway` from the same pool config (its intake, router, attempt
+lifecycle, instances, pollers, KV-event subscriptions and shared-state backend) and starts it
+without its HTTP app; Envoy does the relaying.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 
 from duetime.gateway.app import Gateway
 from duetime.gateway.config import Pool
-from duetime.gateway.inflight import FlightStore
 from duetime.service.runner import Service
 from duetime.web.server import AppServer
 
@@ -26,12 +25,11 @@ class PickerService:
     ``/health`` and ``/duetime/instances`` over HTTP. ``stop``: the other way round."""
 
     def __init__(self, pool: Pool, *, host: str = "0.0.0.0", port: int = 9002,
-                 metrics_port: int | None = None, store: FlightStore | None = None,
+                 metrics_port: int | None = None,
                  tls: tuple[bytes, bytes] | None = None) -> None:
         """``tls``: a PEM key and certificate chain to serve gRPC over TLS (else plaintext)."""
         self.instances = Service(pool)
         self.host, self.port, self.metrics_port = host, port, metrics_port
-        self.store = store
         self.tls = tls
         self.gateway: Gateway | None = None
         self.picker = None  # the Picker, once started (grpc is imported on start)
@@ -44,11 +42,11 @@ class PickerService:
     async def start(self) -> PickerService:
         import grpc
 
-        from duetime.gateway.epp import Picker
+        from duetime.gateway.picker.service import Picker
 
         try:
             pool = await self.instances.start_instances()
-            self.gateway = gw = Gateway(pool, store=self.store, host=self.host)
+            self.gateway = gw = Gateway(pool, host=self.host)
             await gw.start()
             self.picker = picker = Picker(gw)
             creds = None if self.tls is None else grpc.ssl_server_credentials([self.tls])
@@ -56,7 +54,7 @@ class PickerService:
             if self.metrics_port is not None:
                 from starlette.applications import Starlette
 
-                from duetime.gateway.admin import admin_routes
+                from duetime.gateway.observe.admin import admin_routes
                 from duetime.web.errors import exception_handlers
 
                 app = Starlette(routes=admin_routes(gw), exception_handlers=exception_handlers())

@@ -35,7 +35,7 @@ def embedded_options(pool: Pool) -> dict[str, EmulatorOptions]:
 def _with_embedded_caching(pool: Pool) -> Pool:
     """An embedded instance caches prefixes as its emulator options say (on unless false, as
     vLLM): its spec says so too, so the gateway's replica of it caches (its estimated view of
-    the cache: :mod:`duetime.gateway.shadow`)."""
+    the cache: :mod:`duetime.gateway.state.shadow`)."""
     opts = embedded_options(pool)
     insts = []
     for inst in pool.instances:

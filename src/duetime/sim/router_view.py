@@ -2,7 +2,7 @@
 
 A gateway replica does not read an instance's true state; it replays the engine forward from
 the requests it knows about and corrects the replay with what the instance reports back
-(:mod:`duetime.gateway.shadow`). :class:`RouterView` is that replica in the simulator: a
+(:mod:`duetime.gateway.state.shadow`). :class:`RouterView` is that replica in the simulator: a
 :class:`~duetime.sim.instance.SimInstance` (so every policy reads it as it reads a true
 instance) whose engine is changed only by :class:`Known` events, each applied at the simulated
 time the router learns it:

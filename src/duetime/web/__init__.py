@@ -1,5 +1,7 @@
 """What every OpenAI-compatible server here shares: request parsing and OpenAI-style errors
-(:mod:`.requests`, :mod:`.errors`), the prompt-token estimate (:mod:`.tokens`), server-sent
+(:mod:`.requests`, :mod:`.errors`), the prompt-token estimate (:mod:`.tokens`) and the exact
+count through the model's tokenizer and chat template (:mod:`.prompt_tokens`), prompts' block
+keys for prefix caching (:mod:`.prefix_keys`), server-sent
 events (:mod:`.sse`), the raw-ASGI completion endpoint and fast routes (:mod:`.asgi`), uvicorn
 in-process (:mod:`.server`) and JSON-lines logs (:mod:`.logs`).
 

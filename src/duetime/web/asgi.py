@@ -59,8 +59,9 @@ async def send_json(send: Send, status: int, body: bytes,
 
 
 async def send_error(send: Send, err: ApiError,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send_json(send, err.status, err.encode(), headers)
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """The error as an OpenAI error body, with its headers (and ``extra`` ones)."""
+    await send_json(send, err.status, err.encode(), [*err.headers, *(extra or ())])
 
 
 def header(scope: Scope, name: bytes) -> str | None:

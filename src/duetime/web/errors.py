@@ -30,10 +30,12 @@ def clip(text: str, limit: int = MAX_MESSAGE) -> str:
 
 
 class ApiError(Exception):
-    """An error answered to the client as ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered to the client as ``{"error": {"message", "type", "param", "code"}}``,
+    with ``headers`` added to the response (a 429's ``Retry-After``, a key's limits)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type_: str | None = None) -> None:
+                 code: str | None = None, type_: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         message = clip(message)
         super().__init__(message)
         self.status = status
@@ -41,6 +43,7 @@ class ApiError(Exception):
         self.param = None if param is None else clip(param, 100)
         self.code = code
         self.type = type_ or _TYPES.get(status, "invalid_request_error")
+        self.headers: list[tuple[bytes, bytes]] = list(headers or ())
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

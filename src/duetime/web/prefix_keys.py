@@ -6,7 +6,7 @@ their tokens agree up to its end. The servers here have no tokenizer, so they ke
 way they estimate prompt lengths (:mod:`duetime.web.tokens`):
 
 * a prompt of token ids, or one a tokenizer turned into them (``CompletionRequest.token_ids``:
-  the gateway's :mod:`~duetime.gateway.prompt_tokens`): the ids, ``block_size`` per block
+  the gateway's :mod:`~duetime.web.prompt_tokens`): the ids, ``block_size`` per block
   (exact, as vLLM);
 * a text prompt, or chat messages: the prompt's text, ``block_size * CHARS_PER_TOKEN``
   characters per block (64 characters stand in for 16 tokens). Chat messages are rendered in

@@ -3,6 +3,8 @@ blank lines, ending with ``data: [DONE]``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from duetime.web.errors import ApiError
 
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -24,6 +26,39 @@ def payload(ev: bytes) -> bytes | None:
         if line.startswith(b"data:"):
             return line[5:].lstrip()
     return None
+
+
+class Kind:
+    """What a streamed completion's event is, for whoever counts its tokens
+    (:func:`event_kind`)."""
+
+    DONE = "done"    # ``[DONE]``: the stream is complete
+    USAGE = "usage"  # a chunk with no choices (the usage chunk; vLLM may add its fingerprint)
+    ERROR = "error"  # an error object in place of a chunk
+    ROLE = "role"    # the first chunk of a chat: the role and empty content, no token
+    TOKEN = "token"  # a chunk that carries output: one token (as vLLM streams them)
+
+
+def event_kind(data: bytes) -> str:
+    """The :class:`Kind` of an event's data (its ``payload``): the gateway's relay and the
+    endpoint picker count a completion's output tokens by it, one per ``TOKEN`` event."""
+    if data == b"[DONE]":
+        return Kind.DONE
+    if b'"choices":[]' in data or b'"choices": []' in data:
+        return Kind.USAGE
+    if data.startswith(b'{"error"') or data.startswith(b'{"object":"error"'):
+        return Kind.ERROR
+    if b'"role"' in data and b'"content":""' in data:
+        return Kind.ROLE
+    return Kind.TOKEN
+
+
+def classified(events: list[bytes]) -> Iterator[tuple[bytes, bytes, str]]:
+    """Each event that carries data, with its data and :func:`event_kind`."""
+    for ev in events:
+        data = payload(ev)
+        if data is not None:
+            yield ev, data, event_kind(data)
 
 
 def error_event(message: bytes) -> bytes:

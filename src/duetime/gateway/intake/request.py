@@ -1,0 +1,194 @@
+"""The one intake path: a completion request's bytes and headers become a
+:class:`RequestContext` — its key checked, its body parsed, its prompt counted, its controls
+read, its policy chosen, its candidates found and what its policy consumes predicted.
+
+Three callers take this path and differ only by explicit arguments:
+
+==================  ============================  =========================================
+caller              ``keys``                      ``allowed``
+==================  ============================  =========================================
+the relay           :attr:`KeyCheck.ADMIT`        every candidate
+(``duetime serve``) (401, 403, 429)
+the dry run         :attr:`KeyCheck.IDENTIFY`     every candidate
+(``/duetime/route``) (401; nothing spent)
+the picker          :attr:`KeyCheck.NONE`         the data plane's subset hint
+(``duetime epp``)   (Envoy's side authenticates)
+==================  ============================  =========================================
+
+Every step raises :class:`~duetime.web.errors.ApiError` on bad input (OpenAI's error body).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from duetime.estimate.base import KeysByBlockSize
+from duetime.gateway.config import Pool
+from duetime.gateway.intake.auth import NO_GRANT, Auth, Grant
+from duetime.gateway.intake.controls import Controls, read_controls
+from duetime.gateway.intake.policies import PolicyBook
+from duetime.gateway.intake.predictions import PerModel, Predictions
+from duetime.gateway.keys import ApiKey
+from duetime.gateway.state.instance import InstanceState
+from duetime.policy.base import Policy
+from duetime.web.asgi import Scope
+from duetime.web.errors import ApiError
+from duetime.web.prefix_keys import prompt_block_keys
+from duetime.web.prompt_tokens import PromptTokenizer
+from duetime.web.requests import CompletionRequest, parse_completion, prompt_texts
+
+
+class KeyCheck(enum.Enum):
+    """How much of the API-key checks a caller applies."""
+
+    ADMIT = "admit"        # identify the key (401), then admit it: its models (403), limits (429)
+    IDENTIFY = "identify"  # identify it only (401): nothing is spent of its limits
+    NONE = "none"          # no checks (the data plane in front authenticates)
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """The instances a caller allows (the picker: its data plane's subset hint), and the 503's
+    message when none of a request's candidates is allowed."""
+
+    test: Callable[[InstanceState], bool]
+    refusal: str
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request as every stage after the intake sees it."""
+
+    rid: str                    # the gateway's id of the request (its attempts: rid-1, rid-2, ...)
+    req: CompletionRequest      # the parsed body (``prompt_tokens``: counted)
+    controls: Controls          # the client's headers
+    arrival: float              # when it arrived (monotonic): TTFT and targets count from it
+    key: ApiKey | None          # the client's key, where checked
+    grant: Grant                # what admitting it gave (the limit headers of the response)
+    policy: Policy              # the policy that routes it (the pool's, or one it asked for)
+    candidates: list[InstanceState]  # the instances that may serve it
+    predicted: int              # output tokens predicted (the default, capped by max_tokens)
+    cap: int                    # no predicted length past this (max_tokens; else none)
+    quality: PerModel           # per model, what the policy consumes (None: not consumed)
+    success: PerModel
+    lengths: PerModel
+    keys: KeysByBlockSize       # the prompt's block keys per block size (computed when asked)
+
+    @property
+    def chat(self) -> bool:
+        return self.req.chat
+
+
+class Intake:
+    """The intake of one gateway: its pool, instances, key checks, policies and predictors."""
+
+    def __init__(self, pool: Pool, instances: list[InstanceState], auth: Auth,
+                 policies: PolicyBook) -> None:
+        self.pool = pool
+        self.instances = instances
+        self.auth = auth
+        self.policies = policies
+        self.predictions = Predictions(pool)
+        self.by_model: dict[str, list[InstanceState]] = {}
+        for s in instances:
+            self.by_model.setdefault(s.model, []).append(s)
+        self.tokenizer: PromptTokenizer | None = None
+        if pool.tokenizer is not None:
+            self.tokenizer = PromptTokenizer(pool.tokenizer, pool.chat_template)
+        self._ids = itertools.count(1)
+        self._prefix = secrets.token_hex(3)
+
+    async def take(self, raw: bytes, scope: Scope, *, arrival: float, chat: bool | None,
+                   keys: KeyCheck, allowed: Allowed | None = None) -> RequestContext:
+        """The request's context. ``chat``: the route's kind (None: a chat if the body has
+        ``messages``, as the dry run takes either); ``keys``: which key checks apply;
+        ``allowed``: which instances the caller allows (None: all)."""
+        key = self.auth.identify(scope) if keys is not KeyCheck.NONE else None
+        req = parse_completion(raw, chat=_is_chat(raw) if chat is None else chat)
+        req.prompt_tokens = self.count_tokens(req)
+        grant = NO_GRANT
+        if keys is KeyCheck.ADMIT:
+            grant = await self.auth.admit(key, req.model, req.prompt_tokens)
+        try:
+            client = (f"key:{key.name}" if key is not None
+                      else str((scope.get("client") or ("",))[0]))
+            ctl = read_controls(scope, self.pool, req.prompt_tokens, client=client)
+            policy = self.policies.get(ctl.policy, ctl.lam)
+            cands = self.candidates(req)
+            if allowed is not None:
+                cands = [s for s in cands if allowed.test(s)]
+                if not cands:
+                    raise ApiError(503, allowed.refusal, code="no_healthy_instance")
+            return self._context(req, ctl, arrival, key, grant, policy, cands)
+        except ApiError as e:  # (refused once admitted: the answer still carries its limits)
+            e.headers += grant.headers
+            raise
+
+    def _context(self, req: CompletionRequest, ctl: Controls, arrival: float,
+                 key: ApiKey | None, grant: Grant, policy: Policy,
+                 cands: list[InstanceState]) -> RequestContext:
+        """What every attempt of ``req`` shares: its id, predicted output length, the policy's
+        predictions and its prompt's block keys."""
+        default = self.pool.default_output_tokens
+        predicted = min(req.max_tokens, default) if req.max_tokens else default
+        quality, success, lengths = self.predictions.predict(req, ctl.task, policy.consumes)
+        return RequestContext(
+            f"dt-{self._prefix}-{next(self._ids):x}", req, ctl, arrival, key, grant, policy,
+            cands, predicted, predicted if req.max_tokens else 1 << 30, quality, success,
+            lengths, KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size)))
+
+    def count_tokens(self, req: CompletionRequest) -> int:
+        """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in
+        ``req.token_ids`` for the block keys; :class:`PromptTokenizer`), where it can make
+        them; else the estimate (:mod:`duetime.web.tokens`)."""
+        tok = self.tokenizer
+        if tok is None:
+            return req.prompt_tokens
+        ids = tok.ids(req)
+        if ids is None:  # (no template, or one the request defeats): contents counted, the
+            if req.chat:  # template's markers estimated as in the emulator
+                return 3 + sum(4 + (len(tok.encode(t, special=False)) if t else 0)
+                               for t in prompt_texts(req))
+            return req.prompt_tokens
+        req.token_ids = ids
+        return max(1, len(ids))
+
+    def candidates(self, req: CompletionRequest) -> list[InstanceState]:
+        """The instances a request for its model may go to (an alias: all; 404 if unknown)
+        that can hold it (:meth:`SchedulerConfig.refusal`: within ``max_model_len`` and, up
+        to ``max_tokens``, within the KV cache; else it would block that instance's queue for
+        good). None can: 400, with the reason of the one with the largest cache."""
+        model, prompt_tokens, max_tokens = req.model, req.prompt_tokens, req.max_tokens
+        if model is None or model in self.pool.aliases:
+            insts = self.instances
+        else:
+            found = self.by_model.get(model)
+            if found is None:
+                raise ApiError(404, f"The model `{model}` does not exist. Models: "
+                               f"{', '.join([*self.pool.aliases, *self.by_model])}",
+                               param="model", code="model_not_found")
+            insts = found
+        fit = [s for s in insts if s.instance.config.refusal(prompt_tokens, max_tokens) is None]
+        if not fit:
+            big = max(insts, key=lambda s: (s.instance.config.kv_capacity_tokens,
+                                            s.instance.config.max_model_len))
+            why = big.instance.config.refusal(prompt_tokens, max_tokens)
+            where = f"instance {big.name}" if len(insts) == 1 else (
+                f"none of the {len(insts)} instances can hold it; the largest: {big.name}")
+            raise ApiError(400, f"{why} ({where})", param="messages" if req.chat else "prompt",
+                           code="context_length_exceeded")
+        return fit
+
+
+def _is_chat(raw: bytes) -> bool:
+    """Whether a body of either kind is a chat (it has ``messages``); a body that is not JSON
+    is left to :func:`parse_completion` to refuse."""
+    try:
+        return "messages" in json.loads(raw)
+    except (ValueError, TypeError):
+        return False

@@ -1,0 +1,322 @@
+"""One upstream instance as the gateway sees it: the policies'
+:class:`~duetime.estimate.base.InstanceView` over three state sources, with its health, its
+in-flight ledger and the parts that learn from its attempts.
+
+Sources (docs/gateway.md, "Live state"): the **shadow** replica (always kept,
+:mod:`~duetime.gateway.state.shadow`), **published** snapshots (instances that serve
+``/snapshot``, :mod:`~duetime.gateway.state.published`) and **scraped** load gauges
+(``/metrics``, :mod:`~duetime.gateway.state.scraped`). A snapshot read uses the published one
+while it is younger than ``state.max_age_s``, else the shadow; the load gauges come from the
+scrape while fresh, else from the snapshot. ``state.source`` pins a source.
+
+Reads change nothing. Time moves in :meth:`InstanceState.refresh` (the router calls it for the
+candidates of a decision whose policy consumes snapshots) and with the attempts' events, which
+the lifecycle (:mod:`~duetime.gateway.state.lifecycle`) hands to the instance's own
+:attr:`~InstanceState.subscribers` — its ledger, KV-event cache view, shadow replica, TTFT
+correction and health, in that order — and with the other gateway replicas' attempts
+(:meth:`~InstanceState.on_peer_dispatch`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+from duetime.engine.snapshot import Snapshot
+from duetime.estimate.base import InstanceStats
+from duetime.estimate.correction import TtftCorrection
+from duetime.estimate.prefix_index import EngineCacheIndex
+from duetime.gateway.config import Instance, Pool
+from duetime.gateway.prometheus import GatewayMetrics
+from duetime.gateway.state.event_cache import EventCache
+from duetime.gateway.state.flight import Flight, FlightStore
+from duetime.gateway.state.health import EjectionBudget, HealthTracker
+from duetime.gateway.state.ledger import Ledger
+from duetime.gateway.state.lifecycle import Attempt, Subscriber
+from duetime.gateway.state.load import GatewayLoad
+from duetime.gateway.state.peers import NO_PEERS, PeerFeed
+from duetime.gateway.state.published import PublishedSnapshots
+from duetime.gateway.state.scraped import ScrapedLoad
+from duetime.gateway.state.shadow import ShadowReplica
+from duetime.policy.base import Candidate
+
+log = logging.getLogger("duetime.gateway")
+
+
+class _Correction(Subscriber):
+    """The instance's TTFT correction learns from each first token: what was observed from
+    dispatch against what the model forecast before the correction."""
+
+    def __init__(self, correction: TtftCorrection) -> None:
+        self.correction = correction
+
+    def on_first_token(self, a: Attempt) -> None:
+        f = a.flight
+        if f.raw_forecast is not None and f.first_token is not None:
+            self.correction.observe(f.raw_forecast, f.first_token - f.dispatched)
+
+
+class InstanceState:
+    """One instance: identity, health, in-flight requests and the live views of it."""
+
+    def __init__(self, instance: Instance, pool: Pool, metrics: GatewayMetrics,
+                 flights: FlightStore, now: float | None = None, *,
+                 budget: EjectionBudget | None = None, load: GatewayLoad | None = None,
+                 peers: PeerFeed = NO_PEERS) -> None:
+        """``flights``: where its in-flight attempts are kept. ``budget``: the pool's ejection
+        budget, shared by its instances (alone: none may be ejected). ``load``: the gateway's
+        own backlog, added to every forecast's overhead (:mod:`duetime.gateway.state.load`;
+        none: nothing added). ``peers``: the other gateway replicas (their flights join the
+        shadow replica: :meth:`on_peer_dispatch`; none: a gateway alone)."""
+        self.load = load
+        now = time.monotonic() if now is None else now
+        self.instance = instance
+        self.name = instance.name
+        self.model = instance.model
+        self.state_spec = pool.state
+        self.metrics = metrics
+        self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
+                                   instance.price_output, self)
+        self.ledger = Ledger(instance.name, flights)
+        # what the instance really did corrects what its model forecasts (SfsEstimator reads it)
+        self.ttft_correction = TtftCorrection(enabled=pool.state.ttft_correction)
+        self._sync_interval_s = pool.state.sync_interval_s
+        # vLLM's KV events, where the instance publishes them: the precise view of its cache
+        self.events = (EventCache(instance.name, instance.kv_events)
+                       if instance.kv_events is not None else None)
+        self.published = PublishedSnapshots(None if instance.snapshot == "auto" else False)
+        self.scraped = ScrapedLoad()
+        h = pool.health
+        self.health = HealthTracker(instance.name, metrics, budget or EjectionBudget(1, 0.0),
+                                    eject_after=h.eject_after, window_s=h.window_s,
+                                    failure_rate=h.failure_rate, min_requests=h.min_requests)
+        self._correction = _Correction(self.ttft_correction)
+        self._replica(now)
+        self.peers = peers
+        peers.listen(self.name, self)
+        name = self.name
+        self.health.on_change = lambda ejected: peers.eject(name, ejected)
+
+    def _replica(self, now: float) -> None:
+        """A new shadow replica of the instance as configured now."""
+        self.shadow = ShadowReplica(self.name, self.instance.spec, now, self._sync_interval_s)
+        # what cache-aware policies read: the replica's cache, the gateway's estimate of the
+        # instance's (see duetime.gateway.state.shadow)
+        self.prefix_index = (EngineCacheIndex(self.shadow.engine)
+                             if self.instance.config.enable_prefix_caching else None)
+        # the instance's own lifecycle subscribers, in order (docs/architecture.md)
+        self.subscribers: list[Subscriber] = [
+            self.ledger, *([self.events] if self.events is not None else []), self.shadow,
+            self._correction, self.health]
+
+    def adopt_cache_config(self, info: Mapping[str, int | bool]) -> bool:
+        """The instance reported its KV cache (``vllm:cache_config_info``: block size, KV
+        blocks, prefix caching on or off): where that differs from the pool config, the
+        instance's word wins and the replica is rebuilt, with the requests in flight joining
+        it again. Returns whether anything changed."""
+        cfg = self.instance.config
+        new = {k: v for k, v in info.items()
+               if k in ("block_size", "num_gpu_blocks", "enable_prefix_caching")
+               and getattr(cfg, k) != v}
+        if not new:
+            return False
+        try:
+            config = dataclasses.replace(cfg, **new)
+        except ValueError as e:  # (a report the engine cannot run: keep the pool's)
+            log.warning("instance cache config not adopted", extra={"fields": {
+                "instance": self.name, "reported": dict(info), "error": str(e)}})
+            return False
+        log.info("instance cache config adopted", extra={"fields": {
+            "instance": self.name, **new}})
+        self.instance = dataclasses.replace(
+            self.instance, spec=dataclasses.replace(self.instance.spec, config=config))
+        now = time.monotonic()
+        self._replica(now)
+        for f in self.all_flights():  # (in dispatch order, this replica's first)
+            f.shadowed = False
+            if "block_size" in new or not config.enable_prefix_caching:
+                f.hashes = None  # (keyed at the old block size)
+            self.shadow.add(f, now)
+            if f.first_token is not None:
+                self.shadow.observe_first(f, now)
+        return True
+
+    @property
+    def url(self) -> str:
+        assert self.instance.url is not None
+        return self.instance.url
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
+
+    @property
+    def flights(self) -> Mapping[str, Flight]:
+        return self.ledger.flights
+
+    @property
+    def remote_flights(self) -> Mapping[str, Flight]:
+        """The other gateway replicas' flights here, as last synced (none when alone)."""
+        return self.peers.remote(self.name)
+
+    def all_flights(self) -> Iterator[Flight]:
+        """This replica's flights, then the others'."""
+        return itertools.chain(self.ledger.flights.values(), self.remote_flights.values())
+
+    # -- which source ---------------------------------------------------------------------------
+
+    def _published_fresh(self, now: float) -> bool:
+        # (with prefix caching, ``auto`` reads the replica: it estimates the instance's cache,
+        # which a published snapshot of version 1 leaves out)
+        source = self.state_spec.source
+        if source == "auto" and self.instance.config.enable_prefix_caching:
+            return False
+        return source in ("auto", "published") and self.published.fresh(
+            now, self.state_spec.max_age_s)
+
+    def _scrape_fresh(self, now: float) -> bool:
+        return (self.state_spec.source in ("auto", "metrics")
+                and self.scraped.fresh(now, self.state_spec.max_age_s))
+
+    def source(self, load: bool = False) -> str:
+        """Where a read would come from now: ``published`` or ``shadow`` for a snapshot;
+        with ``load``, ``metrics`` when the load gauges come from a fresh scrape."""
+        now = time.monotonic()
+        if load and self._scrape_fresh(now):
+            return "metrics"
+        return "published" if self._published_fresh(now) else "shadow"
+
+    # -- InstanceView ---------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """The freshest state: the published snapshot (merged) while fresh, else the shadow
+        replica as of its last refresh."""
+        now = time.monotonic()
+        if self._published_fresh(now):
+            return self.published.merged(now, self.ledger)
+        return self.shadow.snapshot()
+
+    @property
+    def num_running(self) -> int:
+        if self._scrape_fresh(time.monotonic()):
+            return int(self.scraped.running)
+        return len(self.snapshot().running_table)
+
+    @property
+    def num_waiting(self) -> int:
+        if self._scrape_fresh(time.monotonic()):
+            return int(self.scraped.waiting)
+        return len(self.snapshot().waiting_table)
+
+    @property
+    def kv_usage(self) -> float:
+        if self._scrape_fresh(time.monotonic()):
+            return float(self.scraped.kv_usage)
+        return self.snapshot().kv_usage
+
+    @property
+    def stats(self) -> InstanceStats:
+        return self.ledger.stats(time.monotonic())
+
+    @property
+    def request_overhead_s(self) -> float:
+        """The instance's own (calibrated) overhead, plus what the gateway's backlog adds."""
+        own = self.instance.request_overhead_s
+        return own if self.load is None else own + self.load.delay_s()
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def refresh(self, now: float) -> None:
+        """Bring the shadow replica to ``now`` before a decision that reads snapshots — unless
+        a fresh published snapshot will be read instead (the replica catches up at the next
+        refresh that needs it; it moves at every recorded event anyway). The KV events
+        received so far correct its cache first."""
+        self._apply_events(now)
+        if not self._published_fresh(now):
+            self.shadow.refresh(now, self.all_flights())
+
+    def _apply_events(self, now: float) -> None:
+        ev = self.events
+        if ev is not None and self.shadow.engine.caching:
+            ev.apply(self.shadow.engine, now)
+
+    @property
+    def cache_source(self) -> str | None:
+        """Where the view of the instance's prefix cache comes from now: ``kv-events`` (its
+        events are live), ``estimated`` (the gateway's own routing), None without caching."""
+        if self.prefix_index is None:
+            return None
+        return "kv-events" if self.events is not None and self.events.live else "estimated"
+
+    def cached_tokens(self, hashes: Sequence[int] | None, prompt_tokens: int) -> int:
+        """Prompt tokens the instance would find cached now, as far as the gateway knows
+        (whole blocks, and never the prompt's last token: vLLM computes that one again)."""
+        if hashes is None or len(hashes) == 0 or self.prefix_index is None:
+            return 0
+        bs = self.instance.config.block_size
+        return min(self.prefix_index.match(hashes), (prompt_tokens - 1) // bs) * bs
+
+    # -- the attempts --------------------------------------------------------------------------
+
+    def new_flight(self, fid: str, prompt_tokens: int, predicted: int, now: float,
+                   forecast: float | None, hashes: Sequence[int] | None = None) -> Flight:
+        """The record of an attempt about to be sent here (``hashes``: its prompt's block keys,
+        with prefix caching), its cached tokens read from the cache view brought up to the KV
+        events received so far (the lifecycle then dispatches it)."""
+        self._apply_events(now)
+        f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
+        if forecast is not None and math.isfinite(forecast):
+            f.raw_forecast = forecast / self.ttft_correction.factor
+        f.cached_tokens = self.cached_tokens(hashes, prompt_tokens)
+        return f
+
+    # -- what the other gateway replicas did (PeerListener) -------------------------------------
+
+    def on_peer_dispatch(self, f: Flight, now: float) -> None:
+        """Another replica sent ``f`` here: it joins the shadow replica's queue (its block keys
+        only if they fit this replica's block size)."""
+        if f.hashes is not None and (not self.instance.config.enable_prefix_caching or len(
+                f.hashes) > f.prompt_tokens // self.instance.config.block_size):
+            f.hashes = None
+        self._apply_events(now)
+        self.shadow.add(f, now)
+
+    def on_peer_first_token(self, f: Flight, now: float) -> None:
+        self.shadow.observe_first(f, now)
+
+    def on_peer_end(self, f: Flight, now: float) -> None:
+        self.shadow.leave(f)
+
+    def on_peer_eject(self, by: str) -> None:
+        """Another replica ejected the instance: out of rotation here too (within this
+        replica's ejection budget) until that replica readmits it."""
+        self.health.eject(f"ejected by gateway replica {by}", peer=by)
+
+    def on_peer_readmit(self) -> None:
+        if self.health.peer_ejected is not None:
+            self.health.readmit()
+
+    def describe(self) -> dict[str, object]:
+        """For ``GET /duetime/instances`` (refresh first for an up-to-date queue)."""
+        snap = self.snapshot()
+        h = self.health
+        return {"name": self.name, "model": self.model, "url": self.instance.url,
+                "healthy": h.healthy, "last_error": h.last_error or None,
+                "in_flight": len(self.ledger),
+                "in_flight_all": len(self.ledger) + len(self.remote_flights),
+                "state_source": self.source(),
+                "publishes_snapshots": self.published.publishes,
+                "running": len(snap.running_table), "waiting": len(snap.waiting_table),
+                "kv_usage": round(self.kv_usage, 4),
+                "ttft_correction": round(self.ttft_correction.factor, 4),
+                "prefix_cache": None if self.prefix_index is None else {
+                    "source": self.cache_source,
+                    "block_size": self.instance.config.block_size,
+                    "cached_blocks": self.prefix_index.cached_blocks(),
+                    "kv_events": None if self.events is None else self.events.describe()},
+                "price_usd_per_mtok": {"prompt": self.instance.price_prompt,
+                                       "output": self.instance.price_output}}

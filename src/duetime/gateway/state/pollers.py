@@ -1,0 +1,149 @@
+"""Background reads of the instances: ``/snapshot`` and ``/metrics`` polls, ``/health`` probes.
+
+Snapshots are polled only for a policy that consumes them and metrics only for one that
+consumes load gauges (or when ``state.source`` pins a source), every
+``state.scrape_interval_s`` while requests come and every ``state.idle_scrape_interval_s``
+after ``IDLE_AFTER_S`` without any (no decision needs fresh state then, and a quiet gateway
+should stay quiet); a request ends an idle wait at once. An instance that answers 404 is not
+polled again. Every ``health.interval_s`` each instance's ``/health`` is probed. Once, at
+start, each instance's KV cache config is read from ``/metrics`` (``vllm:cache_config_info``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from duetime.engine.snapshot import Snapshot, SnapshotError
+from duetime.gateway.config import Pool
+from duetime.gateway.state.instance import InstanceState
+from duetime.gateway.upstream import Upstream, UpstreamError
+from duetime.web.cache_info import cache_config_info
+
+log = logging.getLogger("duetime.gateway")
+
+IDLE_AFTER_S = 2.0  # no request for this long: poll instances at the idle interval
+
+
+class Pollers:
+    """The polling tasks of one gateway (``upstream()`` gives its started HTTP client)."""
+
+    def __init__(self, pool: Pool, instances: list[InstanceState],
+                 upstream: Callable[[], Upstream], *, snapshots: bool, metrics: bool) -> None:
+        self.pool = pool
+        self.instances = instances
+        self._upstream = upstream
+        self.snapshots = snapshots
+        self.metrics = metrics
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_request = -math.inf
+        self._active = asyncio.Event()  # set by the first request after an idle spell
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for s in self.instances:
+            if self.snapshots and s.published.publishes is not False:
+                self._tasks.append(loop.create_task(self._poll(s, "/snapshot")))
+            if self.metrics:
+                self._tasks.append(loop.create_task(self._poll(s, "/metrics")))
+            self._tasks.append(loop.create_task(self._cache_config(s)))
+        self._tasks.append(loop.create_task(self._health_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+
+    def request_arrived(self, t: float) -> None:
+        """A request came at ``t``: the first one after an idle spell wakes the pollers."""
+        if t - self._last_request >= IDLE_AFTER_S:
+            self._active.set()
+            self._active.clear()
+        self._last_request = t
+
+    def _interval(self) -> float:
+        st = self.pool.state
+        if time.monotonic() - self._last_request < IDLE_AFTER_S:
+            return st.scrape_interval_s
+        return max(st.scrape_interval_s, st.idle_scrape_interval_s)
+
+    async def _poll(self, s: InstanceState, path: str) -> None:
+        """Poll ``/snapshot`` or ``/metrics`` of one instance until it answers 404."""
+        timeout = max(0.25, 4 * self.pool.state.scrape_interval_s)
+        url = s.url + path
+        reported = ""
+        while True:
+            sent = time.monotonic()
+            if s.healthy:
+                try:
+                    r = await self._upstream().get(url, timeout)
+                    received = time.monotonic()
+                    if r.status == 404:
+                        log.info(f"instance does not serve {path}", extra={"fields": {
+                            "instance": s.name}})
+                        if path == "/snapshot":
+                            s.published.publishes = False
+                        else:
+                            s.scraped.serves = False
+                        return
+                    if r.status == 200:
+                        if path == "/snapshot":
+                            clock = r.headers.get("x-duetime-clock")
+                            if clock is None:
+                                raise ValueError("no x-duetime-clock header")
+                            s.published.set(Snapshot.from_dict(json.loads(r.body)),
+                                            float(clock), sent, received)
+                        else:
+                            s.scraped.set(r.body.decode(errors="replace"), received)
+                        reported = ""
+                except UpstreamError:
+                    pass  # the health loop deals with unreachable instances
+                except (ValueError, SnapshotError) as e:
+                    if str(e) != reported:  # once per distinct problem, not every poll
+                        reported = str(e)
+                        log.warning(f"bad {path} answer", extra={"fields": {
+                            "instance": s.name, "error": reported}})
+            wait = self._interval() - (time.monotonic() - sent)
+            if wait > self.pool.state.scrape_interval_s:  # idle: a request ends the wait
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._active.wait(), wait)
+            else:
+                await asyncio.sleep(max(0.0, wait))
+
+    async def _cache_config(self, s: InstanceState) -> None:
+        """Read the instance's KV cache config (``vllm:cache_config_info`` on ``/metrics``)
+        once it answers, and have the instance adopt it (:meth:`InstanceState.
+        adopt_cache_config`). A server without the metric keeps the pool config's numbers."""
+        while True:
+            try:
+                r = await self._upstream().get(s.url + "/metrics", self.pool.health.timeout_s)
+                if r.status == 200:
+                    s.adopt_cache_config(cache_config_info(r.body.decode(errors="replace")))
+                return
+            except UpstreamError:
+                pass  # not up yet: the health loop reports it
+            await asyncio.sleep(self.pool.health.interval_s)
+
+    async def _probe(self, s: InstanceState) -> None:
+        try:
+            r = await self._upstream().get(s.url + "/health", self.pool.health.timeout_s)
+            ok = r.status == 200
+            why = f"/health answered {r.status}"
+        except UpstreamError as e:
+            ok, why = False, str(e)
+        s.health.probe(ok, why)
+
+    async def _health_loop(self) -> None:
+        interval = self.pool.health.interval_s
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(self._probe(s) for s in self.instances),
+                                 return_exceptions=True)

@@ -1,0 +1,116 @@
+"""The shadow replica: a compiled engine copy of one instance, advanced in real time and
+corrected by what the gateway sees (works with any OpenAI-compatible server).
+
+A dispatched request joins the replica's waiting queue with its estimated prompt and its
+predicted output length (as the snapshot's ``predicted_output_tokens``; the replica never
+finishes a request by itself: past its prediction the forecaster's remaining-length estimate
+applies). Its first streamed chunk marks its prefill done (``Engine.observe``); the streamed
+token counts correct the replica's outputs (at most every ``sync_interval_s``, vectorised); on
+completion, failure or cancellation it leaves the replica (``Engine.abort``).
+
+It is an attempt-lifecycle subscriber (dispatch: :meth:`add`; first token: :meth:`observe_first`;
+end: :meth:`leave`); the other gateway replicas' attempts reach it through the same three calls
+(:meth:`~duetime.gateway.state.instance.InstanceState.on_peer_dispatch`). Time moves only in
+:meth:`ShadowReplica.refresh` (and before each event): reading a snapshot changes nothing.
+
+With prefix caching (the instance's config says ``enable_prefix_caching``) the replica is also
+the gateway's *estimated* view of the instance's cache: each request joins with its prompt's
+block keys, so the replica caches, shares and evicts blocks as vLLM would for the requests
+this gateway sent (and knows nothing of others'), and its forecasts price the hits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from duetime.engine.compiled import Engine
+from duetime.engine.scheduler import EngineStuck
+from duetime.engine.snapshot import Snapshot
+from duetime.engine.spec import InstanceSpec
+from duetime.gateway.state.flight import Flight
+from duetime.gateway.state.lifecycle import Attempt, Subscriber
+
+log = logging.getLogger("duetime.gateway")
+
+
+class ShadowReplica(Subscriber):
+    """The replica of one instance (``name``, for logs)."""
+
+    def __init__(self, name: str, spec: InstanceSpec, now: float,
+                 sync_interval_s: float) -> None:
+        self.name = name
+        self.engine = Engine(spec.config, spec.batch_time, time=now, retain_finished=False)
+        self.sync_interval_s = sync_interval_s
+        self._last_sync = -math.inf
+
+    @property
+    def idle(self) -> bool:
+        return self.engine.idle
+
+    def _advance(self, now: float) -> None:
+        eng = self.engine
+        try:
+            eng.run_until(now)
+        except EngineStuck as e:  # a request the replica cannot hold: drop it from the replica
+            log.warning("shadow replica stuck", extra={"fields": {
+                "instance": self.name, "error": str(e)}})
+            for rid in eng.waiting_ids()[:1]:
+                eng.abort(rid)
+
+    def refresh(self, now: float, flights: Iterable[Flight]) -> None:
+        """Advance to ``now`` and apply the streamed token counts of ``flights`` (at most every
+        ``sync_interval_s``)."""
+        self._advance(now)
+        if now - self._last_sync < self.sync_interval_s:
+            return
+        self._last_sync = now
+        fl = [f for f in flights if f.tokens >= 1 and f.shadowed]
+        if fl:
+            outs = np.fromiter((f.tokens for f in fl), dtype=np.int64, count=len(fl))
+            self.engine.observe_many([f.id for f in fl], outs)
+
+    def snapshot(self) -> Snapshot:
+        """The replica as of its last refresh (built once per state)."""
+        return self.engine.snapshot()
+
+    def add(self, flight: Flight, now: float) -> None:
+        """A dispatched request joins the waiting queue at ``now``."""
+        eng = self.engine
+        if flight.prompt_tokens + 1 >= eng.config.max_model_len:
+            return
+        if eng.idle:
+            eng.set_clock(now)
+        else:
+            self._advance(now)
+        eng.add(flight.id, flight.prompt_tokens, eng.config.max_model_len,
+                predicted_output_tokens=flight.predicted, arrival=now,
+                hashes=(() if flight.hashes is None else flight.hashes) if eng.caching
+                else None)
+        flight.shadowed = True
+
+    def observe_first(self, flight: Flight, now: float) -> None:
+        """The request's first token came at ``now``: its prefill is done."""
+        if flight.shadowed:
+            self._advance(now)
+            self.engine.observe(flight.id, flight.tokens)
+
+    def leave(self, flight: Flight) -> None:
+        """The request ended (finished, failed or cancelled): it leaves the replica."""
+        if flight.shadowed:
+            self.engine.abort(flight.id)
+
+    # -- as a lifecycle subscriber ----------------------------------------------------------------
+
+    def on_dispatch(self, a: Attempt) -> None:
+        self.add(a.flight, a.flight.dispatched)
+
+    def on_first_token(self, a: Attempt) -> None:
+        assert a.flight.first_token is not None
+        self.observe_first(a.flight, a.flight.first_token)
+
+    def on_end(self, a: Attempt) -> None:
+        self.leave(a.flight)
