@@ -93,8 +93,6 @@ def auth_header(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-
-
 def scope(key: str | None = None) -> Scope:
     return {"headers": [] if key is None else [(b"authorization", f"Bearer {key}".encode())]}
 
