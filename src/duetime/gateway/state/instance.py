@@ -78,7 +78,6 @@ class InstanceState:
         self.name = instance.name
         self.model = instance.model
         self.state_spec = pool.state
-        self.metrics = metrics
         self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
                                    instance.price_output, self)
         self.ledger = Ledger(instance.name, flights)

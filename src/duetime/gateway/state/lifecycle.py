@@ -24,7 +24,7 @@ token and the end, and only when the count changed; ``on_end`` last, exactly onc
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,19 +82,41 @@ class Subscriber:
         """It ended at ``a.ended`` with ``a.outcome``."""
 
 
+EVENTS = ("on_dispatch", "on_first_token", "on_progress", "on_end")
+
+
+def _handles(s: Subscriber, event: str) -> bool:
+    """Whether ``s`` overrides ``event`` (the others' no-ops are not called: a streamed token
+    is one event, and most subscribers ignore it)."""
+    return getattr(type(s), event, None) is not getattr(Subscriber, event)
+
+
+Handler = Callable[[Attempt], None]
+
+
 class Lifecycle:
     """Publishes attempts' events: to the attempt's instance's own subscribers, then to
-    ``subscribers`` (the pool-wide ones), each in order."""
+    ``subscribers`` (the pool-wide ones, fixed here), each in order."""
 
     def __init__(self, subscribers: Sequence[Subscriber] = ()) -> None:
-        self.subscribers = list(subscribers)
+        self.subscribers = tuple(subscribers)
+        # per instance: its subscriber list (a new one when its replica is rebuilt) and, per
+        # event, the handlers to call, in order
+        self._plans: dict[int, tuple[Sequence[Subscriber], dict[str, list[Handler]]]] = {}
 
-    def _fan(self, a: Attempt) -> list[Subscriber]:
-        return [*a.inst.subscribers, *self.subscribers]
+    def _handlers(self, a: Attempt, event: str) -> list[Handler]:
+        own = a.inst.subscribers
+        plan = self._plans.get(id(a.inst))
+        if plan is None or plan[0] is not own:
+            everyone = [*own, *self.subscribers]
+            plan = (own, {e: [getattr(s, e) for s in everyone if _handles(s, e)]
+                          for e in EVENTS})
+            self._plans[id(a.inst)] = plan
+        return plan[1][event]
 
     def dispatch(self, a: Attempt) -> Attempt:
-        for s in self._fan(a):
-            s.on_dispatch(a)
+        for handle in self._handlers(a, "on_dispatch"):
+            handle(a)
         return a
 
     def record_first_token(self, a: Attempt, t: float, tokens: int = 1) -> None:
@@ -105,8 +127,8 @@ class Lifecycle:
             return
         f.first_token = t
         f.tokens = max(f.tokens, tokens, 1)
-        for s in self._fan(a):
-            s.on_first_token(a)
+        for handle in self._handlers(a, "on_first_token"):
+            handle(a)
 
     def record_progress(self, a: Attempt, tokens: int) -> None:
         """The attempt has streamed ``tokens`` tokens (ignored before its first token, after
@@ -115,8 +137,8 @@ class Lifecycle:
         if a.outcome is not None or f.first_token is None or tokens == f.tokens:
             return
         f.tokens = tokens
-        for s in self._fan(a):
-            s.on_progress(a)
+        for handle in self._handlers(a, "on_progress"):
+            handle(a)
 
     def end(self, a: Attempt, t: float, outcome: Outcome, *, output_tokens: int | None = None,
             failure: tuple[str, str] | None = None) -> bool:
@@ -124,6 +146,6 @@ class Lifecycle:
         if a.outcome is not None:
             return False
         a.outcome, a.ended, a.output_tokens, a.failure = outcome, t, output_tokens, failure
-        for s in self._fan(a):
-            s.on_end(a)
+        for handle in self._handlers(a, "on_end"):
+            handle(a)
         return True
