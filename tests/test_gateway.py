@@ -1,7 +1,7 @@
 """The gateway over real emulated instances on loopback: routing, headers, streaming,
 reassembly, retries, ejection and re-probe, error bodies, client disconnects, draining.
 
-Each test starts a :class:`duetime.gateway.Service` (the gateway and its embedded emulators,
+Each test starts a :class:`duetime.service.Service` (the gateway and its embedded emulators,
 uvicorn on port 0) inside ``asyncio.run`` with an overall timeout. Instances: ``a`` serves model
 ``big`` (higher accuracy: preferred by utility), ``b`` serves ``small``. Timing is never
 asserted tightly: the tests check where requests go and what comes back.

@@ -1,6 +1,6 @@
 """The gateway in front of real vLLM servers (CPU build, tiny random models; ``vllm_pool``).
 
-One gateway (:class:`duetime.gateway.Service`, in-process on its own event-loop thread) serves
+One gateway (:class:`duetime.service.Service`, in-process on its own event-loop thread) serves
 the module; the retry test starts a second one with a dead instance, the CLI test a subprocess.
 Everything is on loopback and every network call has a timeout. The models have random
 weights: requests use ``temperature: 0`` and ``ignore_eos: true`` so that output lengths are
