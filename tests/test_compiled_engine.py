@@ -7,7 +7,7 @@ import random
 import pytest
 
 from duetime.engine import EngineStuck, ReferenceEngine, Request, SchedulerConfig
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from snapshots import PAPER4, SFS6
 
 

@@ -101,7 +101,7 @@ def test_kernel_runs_as_plain_python_without_numba() -> None:
     code = (
         "import random, sys; sys.path.insert(0, 'tests')\n"
         "from snapshots import random_snapshot\n"
-        "from duetime.engine import replay, forecast, kernel\n"
+        "from duetime.engine import replay, forecast, scheduler_kernel as kernel\n"
         "assert not hasattr(kernel.step, 'py_func'), 'numba was used'\n"
         "for seed in range(40):\n"
         "    snap = random_snapshot(random.Random(seed), n_running=8, n_waiting=4)\n"
@@ -147,7 +147,7 @@ def test_prefix_caching_runs_as_plain_python_without_numba() -> None:
     reference loop too."""
     code = (
         "import sys; sys.path.insert(0, 'tests')\n"
-        "from duetime.engine import kernel\n"
+        "from duetime.engine import scheduler_kernel as kernel\n"
         "assert not hasattr(kernel.step, 'py_func'), 'numba was used'\n"
         "import test_compiled_engine as t\n"
         "for seed in range(6):\n"

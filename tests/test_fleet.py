@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from duetime.cli import main
-from duetime.engine.compiled import Engine
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.engine import Engine
 from duetime.experiments.runner import Point, Runner
 from duetime.policy import make_policy
 from duetime.sim import ClusterSim, SimResult

@@ -17,7 +17,7 @@ from duetime.engine import (
     forecast,
     replay,
 )
-from duetime.engine.pool_kernel import SAVED, U_OWNER, queue_of
+from duetime.engine.block_pool_kernel import SAVED, U_OWNER, queue_of
 from snapshots import PAPER4, SFS6
 
 
@@ -92,7 +92,7 @@ def test_a_forecast_with_caching_is_the_future_the_engine_runs(seed: int, blocks
         except ForecastError:
             continue
         # the engine's cache is as it was once the engine reads it (a forecaster keeps its
-        # replay on it until then: pool_kernel.lease)
+        # replay on it until then: block_pool_kernel.lease)
         eng.check_invariants()
         assert (eng._pool[:, :SAVED] == pool[:, :SAVED]).all()
         assert (eng._kmap[:, :2] == keys[:, :2]).all()

@@ -1,7 +1,7 @@
 """The reference step loop: vLLM V1 continuous batching, one request at a time.
 
 This is the plain, readable statement of ``shared/reference/vllm-v1-scheduler.md`` and the oracle
-that the compiled replay (``duetime.engine.kernel``) is tested against. It is also a stepping engine
+that the compiled replay (``duetime.engine.scheduler_kernel``) is tested against. It is also a stepping engine
 for callers that want every step (traces, small simulations): add requests at step boundaries,
 call :meth:`ReferenceEngine.step`, read the :class:`StepRecord` it returns.
 """

@@ -14,7 +14,7 @@ run as plain Python: correct, slow.
 Layout (all int64 unless noted; request ``r`` is an index):
 
 * ``req``: shape (N, 10): prompt, output, stop, computed, KV blocks held (the block ledger's
-  column, :mod:`duetime.engine.kv`: only its ``kv_*`` functions touch it), done flag, and for
+  column, :mod:`duetime.engine.kv_kernel`: only its ``kv_*`` functions touch it), done flag, and for
   asynchronous scheduling: placeholder tokens (``pending``), in flight in the previous step
   (0 no, 1 yes, 2 and samples), the same for this step, stale flag;
 * ``stamps`` (float64, (N, 2)): first-token and finish time (NaN until stamped);
@@ -24,9 +24,9 @@ Layout (all int64 unless noted; request ``r`` is an index):
   (request, quiet since), rows in flight (async); ``clock`` (float64[1]);
 * ``cfg``: budget, chunk cap (the long-prefill threshold, or the budget), max_num_seqs,
   max_model_len, block size, usable blocks, log2(block size) or -1 (see
-  :mod:`duetime.engine.kv`), watermark blocks, full-sequence admission (0/1), asynchronous
+  :mod:`duetime.engine.kv_kernel`), watermark blocks, full-sequence admission (0/1), asynchronous
   scheduling (0/1) (prefix caching is not a flag: see the pool arguments below);
-* with prefix caching, the block pool (:mod:`duetime.engine.pool_kernel`): ``pool``, ``kmap``
+* with prefix caching, the block pool (:mod:`duetime.engine.block_pool_kernel`): ``pool``, ``kmap``
   and the arenas ``rb`` (each request's blocks, from column ``BOFF``) and ``rk`` (its known
   block keys, ``NKEY`` of them from column ``KOFF``); ``NCACHED``: its blocks registered in
   the cache; ``UID``: what its own keys are made from; ``BCAP``: the length of its slice of
@@ -49,8 +49,7 @@ import math
 import numpy as np
 
 from duetime.engine._jit import njit
-from duetime.engine.kv import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv_take
-from duetime.engine.pool_kernel import (
+from duetime.engine.block_pool_kernel import (
     U_STAMP,
     pool_allocate,
     pool_cache,
@@ -60,6 +59,7 @@ from duetime.engine.pool_kernel import (
     pool_touch,
     req_key,
 )
+from duetime.engine.kv_kernel import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv_take
 from duetime.engine.remaining import stop_length
 
 # req columns (HELD, 4, is the KV ledger's; BOFF .. UID: prefix caching's, see step())
@@ -227,7 +227,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     phase = 0
     i = 0
     t_start = clock[0]
-    if undo is not None:  # key events of this step's scheduling (see pool_kernel)
+    if undo is not None:  # key events of this step's scheduling (see block_pool_kernel)
         undo[U_STAMP] = 2 * st[K]
     while True:
         if phase == 0:
