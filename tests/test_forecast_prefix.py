@@ -267,8 +267,8 @@ def test_forecasters_that_keep_the_cache_take_turns(seed: int) -> None:
             forecast(eng.snapshot(), p, prompt_hashes=probes[-1][1][:p // bs])
         leased += bool(eng.snapshot().prefix.undo[U_OWNER])
         got, ref = eng.step(), twin.step()
-        assert (got.end, got.scheduled, got.first_token, got.finished, got.preempted,
-                got.prefix_hits) == (ref.end, ref.scheduled, ref.first_token, ref.finished,
+        assert (got.end, got.scheduled, got.first_token_ids, got.finished_ids, got.preempted,
+                got.prefix_hits) == (ref.end, ref.scheduled, ref.first_token_ids, ref.finished_ids,
                                      ref.preempted, ref.prefix_hits)
         eng.check_invariants()
         assert eng.cached_blocks == twin.cached_blocks

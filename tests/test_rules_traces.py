@@ -47,8 +47,8 @@ def check(rec: StepRecord, *, duration: float, prefill: dict[str, int] | None = 
     assert rec.prefill == (prefill or {})
     assert rec.decode == (decode or [])
     assert rec.preempted == (preempted or [])
-    assert rec.first_token == (first_token or [])
-    assert rec.finished == (finished or [])
+    assert rec.first_token_ids == (first_token or [])
+    assert rec.finished_ids == (finished or [])
 
 
 def state(r: Request) -> tuple[int, int, int, int]:
@@ -221,7 +221,7 @@ def test_kv_blocks_are_allocated_per_step_at_block_boundaries():
         rec = step(eng)
         assert rec.duration == pytest.approx(dur)
         assert (a.output, a.computed, a.blocks, eng.free_blocks) == (k, 4 + k, blocks, free)
-    assert rec.finished == ["a"] and eng.idle
+    assert rec.finished_ids == ["a"] and eng.idle
 
 
 def test_chunk_allocates_only_the_blocks_its_tokens_need():

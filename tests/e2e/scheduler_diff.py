@@ -245,8 +245,8 @@ def run_engine(case: Case) -> dict:
                       "preempted": list(rec.preempted), "first": [], "finished": [],
                       **({"hits": [[rid, n] for rid, n in rec.hits]} if caching else {})})
         made = steps[k if rec.outputs_of is None else k - 1]  # async: the previous step's
-        made["first"] += rec.first_token
-        made["finished"] += rec.finished
+        made["first"] += rec.first_token_ids
+        made["finished"] += rec.finished_ids
     while steps and not any(steps[-1].values()):
         steps.pop()
     return {"name": case.get("name", ""), "steps": steps, "end": end}

@@ -64,12 +64,12 @@ class StepEvents:
     start: float
     end: float
     scheduled: int
-    first_token: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
+    first_token_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
     preempted: int = 0
     _made: np.ndarray | None = field(default=None, repr=False)
     _ids: list[str] | None = field(default=None, repr=False)
-    # when the outputs listed (first_token, finished, tokens) were made: the step's end; with
+    # when the outputs listed (first_token_ids, finished_ids, tokens) were made: the step's end; with
     # asynchronous scheduling they are the previous step's, made at this step's start
     outputs_at: float = math.nan
     # prefix caching: tokens of the requests admitted after a cache lookup, and of those the

@@ -403,17 +403,17 @@ class Forecaster:
 
     # -- probes ---------------------------------------------------------------------------------
 
-    def first_token(self, prompt_tokens: int,
-                    prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
-        """TTFT forecast for a probe of ``prompt_tokens`` tokens at the queue's tail
+    def ttft(self, prompt_tokens: int,
+             prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
+        """TTFT forecast (``until="first_token"``) for a probe of ``prompt_tokens`` tokens at the queue's tail
         (``prompt_hashes``: its block keys, with prefix caching)."""
         try:
-            return self._first_token(prompt_tokens, prompt_hashes)
+            return self._ttft(prompt_tokens, prompt_hashes)
         except _EventsLost:
             return self._replay(int(prompt_tokens), prompt_hashes)
 
-    def _first_token(self, prompt_tokens: int,
-                     prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
+    def _ttft(self, prompt_tokens: int,
+              prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
         _check_probe(self.snapshot.config, prompt_tokens, None, "first_token")
         p = int(prompt_tokens)
         cap = self._cap
@@ -567,6 +567,6 @@ def forecast(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: in
     if trace:
         return replay(snapshot, prompt_tokens, predicted_output_tokens, until, trace=True)
     if until == "first_token":
-        return forecaster(snapshot).first_token(prompt_tokens, prompt_hashes)
+        return forecaster(snapshot).ttft(prompt_tokens, prompt_hashes)
     return replay(snapshot, prompt_tokens, predicted_output_tokens, until,
                   prompt_hashes=prompt_hashes)

@@ -34,8 +34,8 @@ class StepRecord:
     prefill: dict[str, int] = field(default_factory=dict)
     decode: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    first_token: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
+    first_token_ids: list[str] = field(default_factory=list)  # got their first token
+    finished_ids: list[str] = field(default_factory=list)
     tokens: list[str] = field(default_factory=list)  # requests that produced an output token
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # in schedule order
     hits: list[tuple[str, int]] = field(default_factory=list)  # prefix-cache hits, in tokens
@@ -122,7 +122,7 @@ class ReferenceEngine:
         a request that will sample counts a placeholder token (``pending``) and is scheduled
         again on it; one whose in-flight token is its last is not; outputs of step k are
         applied after step k+1 is scheduled, so a finishing request holds its seat and blocks
-        for one more schedule. Its record's ``first_token``, ``finished`` and ``tokens`` are
+        for one more schedule. Its record's ``first_token_ids``, ``finished_ids`` and ``tokens`` are
         then those of the previous step (``outputs_of``), stamped with that step's end.
         """
         if self.idle:
@@ -145,7 +145,7 @@ class ReferenceEngine:
             self._apply_async(scheduled, rec)
         else:
             self._apply(scheduled, end, rec)
-        if rec.finished:
+        if rec.finished_ids:
             self._drop_finished()
         if rec.preempted and not scheduled:
             self._watch_livelock()
@@ -319,11 +319,11 @@ class ReferenceEngine:
         rec.tokens.append(r.id)
         if r.output == 1:
             r.first_token = t
-            rec.first_token.append(r.id)
+            rec.first_token_ids.append(r.id)
         if r.output >= r.stop or r.prompt + r.output >= self.config.max_model_len:
             r.finished = t
             self.kv.free(r)
-            rec.finished.append(r.id)
+            rec.finished_ids.append(r.id)
 
     def _stuck_reason(self) -> str:
         head = self.waiting[0] if self.waiting else None
