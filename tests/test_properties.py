@@ -21,7 +21,7 @@ replay equals the reference loop exactly, the forecaster within rounding.
 
 ``DUETIME_PROPERTY_SCALE=15`` multiplies every example count (a deeper local search, ~4 min).
 
-Rules: ``shared/reference/vllm-v1-scheduler.md``.
+Rules: ``docs/scheduling-rules.md``.
 """
 
 from __future__ import annotations

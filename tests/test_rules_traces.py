@@ -1,7 +1,8 @@
 """Hand-worked traces of the reference engine against the vLLM V1 rules.
 
-Every expected value below was worked out by hand from ``shared/reference/vllm-v1-scheduler.md``
-(the rules) and the batch-time formulas in ``shared/DESIGN.md``; the comments show the arithmetic.
+Every expected value below was worked out by hand from ``docs/scheduling-rules.md`` (the rules)
+and the batch-time formulas of ``docs/engine.md`` ("Batch-time models"); the comments show the
+arithmetic.
 
 Models (simple coefficients so durations are checkable by hand):
 

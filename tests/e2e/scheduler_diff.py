@@ -130,7 +130,7 @@ def _case(name: str, cfg: dict[str, Any], reqs: list[tuple[int, int, int]]) -> C
 
 
 def targeted(*, asynchronous: bool = False) -> list[Case]:
-    """One or more cases per rule (``shared/reference/vllm-v1-scheduler.md``)."""
+    """One or more cases per rule (``docs/scheduling-rules.md``)."""
     out = [
         # A: the null block: 4 blocks hold 3 x 16 tokens, not 64
         _case("A-null-block", {"num_gpu_blocks": 4}, [(60, 2, 0)]),

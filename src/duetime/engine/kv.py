@@ -8,7 +8,8 @@ is :mod:`duetime.engine.kv_kernel` (the ``kv_*`` functions; ``tests/test_kv.py``
 two keep the same books). The plain helpers here (:func:`blocks_for`, :func:`held_blocks`,
 :func:`block_shift`, :func:`stuck_reason`) serve both.
 
-Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``):
+Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``;
+``docs/scheduling-rules.md``, "KV blocks"):
 
 * one of ``num_gpu_blocks`` is the null block: ``num_gpu_blocks - 1`` are usable, and usage is
   measured against them;

@@ -1,7 +1,8 @@
 """The reference step loop: vLLM V1 continuous batching, one request at a time.
 
-This is the plain, readable statement of ``shared/reference/vllm-v1-scheduler.md`` and the oracle
-that the compiled replay (``duetime.engine.scheduler_kernel``) is tested against. It is also a stepping engine
+This is the plain, readable statement of the rules in ``docs/scheduling-rules.md`` (vLLM's own
+scheduler being the oracle it is tested against in ``tests/e2e``), and the oracle that the
+compiled replay (``duetime.engine.scheduler_kernel``) is tested against. It is also a stepping engine
 for callers that want every step (traces, small simulations): add requests at step boundaries,
 call :meth:`ReferenceEngine.step`, read the :class:`StepRecord` it returns.
 """
