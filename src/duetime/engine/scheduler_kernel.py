@@ -189,18 +189,23 @@ def register_blocks(req, r, pool, kmap, rb, rk, tokens, bs, undo):  # pragma: no
 # applied, for the livelock watch).
 #
 # How the helpers are written matters for speed. Inlining binds each array argument to a new
-# variable, which numba reference-counts (an atomic increment and decrement). LLVM removes the
-# pair unless the variable dies at different points on paths that meet again (an ``if``
-# without ``else``, or a short-circuit ``and`` / ``or``, after its last use), or lives around
-# a loop or a call of a compiled function that is not inlined (whose error exit decrements
-# it too). A first split of step() that ignored this made every forecast twice as slow. So a
-# per-request helper reads its arrays before it branches, or writes them on every path, and
-# calls nothing; the block pool's functions are called from the phases themselves, whose own
-# arrays cost one pair per phase and step. Measured against the single-function step() the
-# split replaced (callgrind, forecasts and caching engine steps): within 3% of its
-# instructions, the same times. (Two shapes measured slower and are avoided: the running
-# phase's self-preemption as a loop condition rather than the ``ok`` flag and ``break``, and
-# the admission loop with a ``break`` rather than the ``blocked`` flag.)
+# variable, which numba reference-counts: an atomic increment and decrement per call of a
+# helper. LLVM removes the pair unless the variable dies at different points on paths that
+# meet again (an ``if`` without ``else``, a short-circuit ``and`` / ``or``, a loop's
+# ``break``, after its last use), or the region it lives in has an exit that raises (every
+# division by a variable, under numba's default error model, and every call of a compiled
+# function that is not inlined). So: a per-request helper reads its arrays before it
+# branches, or writes them on every path, and calls nothing; the block pool's functions are
+# called from the phases themselves; the phases' loops end without a ``break`` (the ``ok``
+# and ``blocked`` flags); and step() uses numpy's error model (no division here can be by
+# zero: block sizes and queue lengths are at least 1), so that the phases' own arrays cost
+# nothing either. Only with prefix caching, whose pool calls can raise, does each phase
+# still pay one pair per array and step. What ignoring this cost, measured: a first split
+# made every forecast twice as slow (per-request pairs), a ``break`` in the running loop made
+# a simulation of small steps 1.4x slower (per-phase pairs). Measured as it is, against the
+# single-function step() it replaced: the same times in benchmarks/forecast_speed.py and
+# benchmarks/simulate_speed.py (ratios 0.89-1.04), and within 5% of its instructions
+# (callgrind).
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -326,7 +331,7 @@ def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
         if asyn and n > max_len - c - 1:
             n = max_len - c - 1
         need = kv_need(req, r, c + n, bs, shift)
-        ok = True  # (a flag and a ``break`` rather than a loop condition: see above)
+        ok = True
         while free < need:  # preempt the newest running request (maybe r itself)
             nrun -= 1
             v = run[nrun]
@@ -338,8 +343,8 @@ def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
             if v == r:  # still too big with all after it preempted: it waits
                 ok = False
                 break
-        if not ok:
-            break
+        if not ok:  # nrun == i: the loop's test ends the phase (no ``break``: see above)
+            continue
         i += 1
         if kmap is not None and need > 0:  # prefix caching: from the free queue's head
             pool_allocate(pool, kmap, rb, req[r, BOFF] + req[r, HELD], need, undo)
@@ -376,7 +381,7 @@ def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, r
     ns, terms, outs = tally
     queried = 0
     hit_tokens = 0
-    blocked = False  # the head was not admitted (a flag rather than a ``break``: see above)
+    blocked = False  # the head was not admitted (a flag, not a ``break``: see above)
     while not blocked and wc > 0 and budget > 0 and nrun < max_seqs:
         r = wq[wh]
         c = req[r, COMP]
@@ -554,7 +559,7 @@ def watch_livelock(st, wq):  # pragma: no cover - jit
     return -1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")  # (see "How the helpers are written")
 def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, undo,
          noise=0.0, extra=0):  # pragma: no cover - jit
     """One scheduler step, phase by phase as vLLM's ``Scheduler.schedule()`` and
