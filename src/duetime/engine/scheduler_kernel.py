@@ -598,7 +598,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     ns, terms, outs = tally
     out[2] = st[FREE]
     out[3] = step_flags(st, cfg, preempted, ns)
-    if ns == 0 and preempted == 0 and st[NINFL] == 0:
+    if ns == 0 and preempted == 0 and st[NINFL] == 0:  # (without arrivals: stuck for ever)
         out[4] = wq[st[WH]] if st[WC] > 0 else -1
         out[5] = 0
         out[6] = 0
@@ -608,8 +608,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     t_end = t_start
     if ns > 0:
         t_end += step_duration(w, terms, noise, st[NSEED], st[K])
-    t_out = t_end
-    if cfg[ASYNC]:
+    t_out = t_end  # when the outputs applied now were made
+    if cfg[ASYNC]:  # the previous step's: its end is this step's start
         t_out = t_start
         outs = apply_async_outputs(req, run, wq, st, cfg, preempted, outs, work, pool, kmap,
                                    rb, rk, undo)
