@@ -45,7 +45,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.engine.profiles import load_profile
 from duetime.service.pool import DEMO_MODELS
 

@@ -153,7 +153,7 @@ def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed, logged):
     """Random allocations, hits, caching and frees (with duplicate keys) on both forms: the
     same blocks handed out, the same free queue, the same lookups. Logged for undo (what a
     forecast does), everything is put back as it was at the end."""
-    from duetime.engine import pool_kernel as pk
+    from duetime.engine import block_pool_kernel as pk
 
     rng = random.Random(seed)
     n_blocks = rng.choice([8, 30, 100])
@@ -214,7 +214,7 @@ def test_the_compiled_pool_keeps_the_same_books_as_the_reference(seed, logged):
 def test_the_key_table_is_a_map(seed):
     """The open-addressing key table against a dict: inserts, updates and deletions (backward
     shift, wrapping around the end) in a table kept nearly half full; and undone exactly."""
-    from duetime.engine import pool_kernel as pk
+    from duetime.engine import block_pool_kernel as pk
 
     rng = random.Random(seed)
     table = pk.new_key_map(32)  # 64 slots

@@ -13,7 +13,7 @@ import duetime
 from duetime.cli import DEMO_PROBES, main
 from duetime.engine import Snapshot, forecast, load_profile, profile_names
 
-# The example of shared/reference/snapshot-format.md.
+# The example of docs/engine.md, "Snapshots".
 SNAPSHOT = {
     "version": 1,
     "time": 12.345,

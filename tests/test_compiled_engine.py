@@ -7,7 +7,7 @@ import random
 import pytest
 
 from duetime.engine import EngineStuck, ReferenceEngine, Request, SchedulerConfig
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from snapshots import PAPER4, SFS6
 
 
@@ -27,8 +27,8 @@ def _config(rng: random.Random) -> SchedulerConfig:
 def _same_step(got, want, fast: Engine, ref: ReferenceEngine) -> None:
     """The compiled engine's step and state are the reference loop's."""
     assert (got.index, got.start, got.end) == (want.index, want.start, want.end)
-    assert sorted(got.first_token) == sorted(want.first_token)
-    assert sorted(got.finished) == sorted(want.finished)
+    assert sorted(got.first_token_ids) == sorted(want.first_token_ids)
+    assert sorted(got.finished_ids) == sorted(want.finished_ids)
     assert got.tokens == want.tokens
     assert got.preempted == len(want.preempted)
     assert got.scheduled == len(want.prefill) + len(want.decode)
@@ -77,9 +77,9 @@ def test_engine_rejects_duplicates_and_reports_state() -> None:
     with pytest.raises(ValueError):
         eng.add("b", 0, 1)
     ev = eng.step()
-    assert ev.first_token == ["a"] and ev.finished == []
+    assert ev.first_token_ids == ["a"] and ev.finished_ids == []
     ev = eng.step()
-    assert ev.finished == ["a"]
+    assert ev.finished_ids == ["a"]
     state = eng.request("a")
     assert state["finished"] and state["output_tokens"] == 2 and state["blocks"] == 0
     assert state["first_token"] is not None and state["finish_time"] == eng.time
@@ -99,9 +99,9 @@ def test_run_until_and_drain() -> None:
     ref.add(Request("a", 100, 30))
     ref.add(Request("b", 10, 3))
     finished = eng.run_until(float("inf"), stop_on_finish=True)
-    while not (rec := ref.step()).finished:
+    while not (rec := ref.step()).finished_ids:
         pass
-    assert finished == rec.finished == ["b"]
+    assert finished == rec.finished_ids == ["b"]
     assert eng.time == ref.time
     eng.drain()
     assert eng.idle and eng.time < 1e6

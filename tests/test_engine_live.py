@@ -125,7 +125,7 @@ def test_compact_changes_nothing_but_memory():
 def test_without_retained_history_the_engine_compacts_itself():
     """A long-running server's engine (retain_finished=False) keeps its memory bounded and its
     rules: the same requests finish at the same times as in an engine that keeps everything."""
-    from duetime.engine.compiled import COMPACT_AT
+    from duetime.engine.engine import COMPACT_AT
 
     rng = random.Random(11)
     keep, lean = Engine(SMALL, MODEL), Engine(SMALL, MODEL, retain_finished=False)

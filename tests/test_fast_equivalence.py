@@ -50,14 +50,14 @@ def test_kernel_and_forecaster_equal_the_reference_loop(chunk: int) -> None:
                 if isinstance(ref, ForecastError):
                     assert isinstance(fast, ForecastError), (seed, p, until, fast)
                     if until == "first_token":
-                        assert isinstance(_run(fc.first_token, p), ForecastError)
+                        assert isinstance(_run(fc.ttft, p), ForecastError)
                     continue
                 checked += 1
                 # Same integer features, same float sum: bit-identical.
                 assert (fast.estimate_s, fast.steps) == (ref.estimate_s, ref.steps), (
                     seed, p, until)
                 if until == "first_token":
-                    got = fc.first_token(p)
+                    got = fc.ttft(p)
                     assert got.steps == ref.steps, (seed, p)
                     assert math.isclose(got.estimate_s, ref.estimate_s, rel_tol=1e-9,
                                         abs_tol=1e-12), (seed, p)
@@ -91,7 +91,7 @@ def test_paper_like_snapshots_many_probes(budget: int) -> None:
         fc = Forecaster(snap)
         for p in (1, 16, 500, 4096, 9000, 33000, 100_000, 20):
             ref = replay(snap, p, reference=True)
-            got = fc.first_token(p)
+            got = fc.ttft(p)
             assert got.steps == ref.steps
             assert math.isclose(got.estimate_s, ref.estimate_s, rel_tol=1e-9)
 
@@ -101,7 +101,7 @@ def test_kernel_runs_as_plain_python_without_numba() -> None:
     code = (
         "import random, sys; sys.path.insert(0, 'tests')\n"
         "from snapshots import random_snapshot\n"
-        "from duetime.engine import replay, forecast, kernel\n"
+        "from duetime.engine import replay, forecast, scheduler_kernel as kernel\n"
         "assert not hasattr(kernel.step, 'py_func'), 'numba was used'\n"
         "for seed in range(40):\n"
         "    snap = random_snapshot(random.Random(seed), n_running=8, n_waiting=4)\n"
@@ -147,7 +147,7 @@ def test_prefix_caching_runs_as_plain_python_without_numba() -> None:
     reference loop too."""
     code = (
         "import sys; sys.path.insert(0, 'tests')\n"
-        "from duetime.engine import kernel\n"
+        "from duetime.engine import scheduler_kernel as kernel\n"
         "assert not hasattr(kernel.step, 'py_func'), 'numba was used'\n"
         "import test_compiled_engine as t\n"
         "for seed in range(6):\n"

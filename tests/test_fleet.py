@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from duetime.cli import main
-from duetime.engine.compiled import Engine
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.engine import Engine
 from duetime.experiments.runner import Point, Runner
 from duetime.policy import make_policy
 from duetime.sim import ClusterSim, SimResult
@@ -145,7 +145,7 @@ def test_engine_end_stops_a_request_as_the_instance_did(async_scheduling: bool) 
     while not inst.idle:
         ev = inst.step()
         assert ev is not None
-        for rid in ev.finished:  # the replica hears of it at the stamp, before stepping on
+        for rid in ev.finished_ids:  # the replica hears of it at the stamp, before stepping on
             while rep.time < ev.outputs_at:
                 rep.step()
             assert rep.end(rid, int(inst.request(rid)["output_tokens"]))

@@ -17,7 +17,7 @@ from duetime.engine import (
     forecast,
     replay,
 )
-from duetime.engine.pool_kernel import SAVED, U_OWNER, queue_of
+from duetime.engine.block_pool_kernel import SAVED, U_OWNER, queue_of
 from snapshots import PAPER4, SFS6
 
 
@@ -92,7 +92,7 @@ def test_a_forecast_with_caching_is_the_future_the_engine_runs(seed: int, blocks
         except ForecastError:
             continue
         # the engine's cache is as it was once the engine reads it (a forecaster keeps its
-        # replay on it until then: pool_kernel.lease)
+        # replay on it until then: block_pool_kernel.lease)
         eng.check_invariants()
         assert (eng._pool[:, :SAVED] == pool[:, :SAVED]).all()
         assert (eng._kmap[:, :2] == keys[:, :2]).all()
@@ -267,8 +267,8 @@ def test_forecasters_that_keep_the_cache_take_turns(seed: int) -> None:
             forecast(eng.snapshot(), p, prompt_hashes=probes[-1][1][:p // bs])
         leased += bool(eng.snapshot().prefix.undo[U_OWNER])
         got, ref = eng.step(), twin.step()
-        assert (got.end, got.scheduled, got.first_token, got.finished, got.preempted,
-                got.prefix_hits) == (ref.end, ref.scheduled, ref.first_token, ref.finished,
+        assert (got.end, got.scheduled, got.first_token_ids, got.finished_ids, got.preempted,
+                got.prefix_hits) == (ref.end, ref.scheduled, ref.first_token_ids, ref.finished_ids,
                                      ref.preempted, ref.prefix_hits)
         eng.check_invariants()
         assert eng.cached_blocks == twin.cached_blocks

@@ -1,7 +1,8 @@
 """Hand-worked forecasts through the public API (``duetime.Snapshot`` + ``duetime.forecast``).
 
 Expected values were worked out by hand from the vLLM V1 rules
-(``shared/reference/vllm-v1-scheduler.md``) and the batch-time formulas (``shared/DESIGN.md``).
+(``docs/scheduling-rules.md``) and the batch-time formulas (``docs/engine.md``, "Batch-time
+models").
 The batch-time models have simple coefficients:
 
 * paper4: ``1 + 0.1·Σ(pre+dec) + 0.01·Σ c·dec + 0.001·Σ(pre·c + pre(pre+1)/2)``

@@ -8,15 +8,8 @@ import numpy as np
 import pytest
 
 from duetime.engine import KVLedger, Request, blocks_for, held_blocks
-from duetime.engine.kv import (
-    HELD,
-    block_shift,
-    kv_admit,
-    kv_blocks,
-    kv_need,
-    kv_release,
-    kv_take,
-)
+from duetime.engine.kv import block_shift
+from duetime.engine.kv_kernel import HELD, kv_admit, kv_blocks, kv_need, kv_release, kv_take
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 16, 17, 64])

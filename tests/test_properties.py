@@ -21,7 +21,7 @@ replay equals the reference loop exactly, the forecaster within rounding.
 
 ``DUETIME_PROPERTY_SCALE=15`` multiplies every example count (a deeper local search, ~4 min).
 
-Rules: ``shared/reference/vllm-v1-scheduler.md``.
+Rules: ``docs/scheduling-rules.md``.
 """
 
 from __future__ import annotations
@@ -323,7 +323,7 @@ def test_fcfs_admission(state: State) -> None:
         assert admitted == before.waiting[:len(admitted)]
         if rec.preempted:
             assert not admitted
-        done, pre = set(rec.finished), set(rec.preempted)
+        done, pre = set(rec.finished_ids), set(rec.preempted)
         assert after.running == ([r for r in before.running if r not in pre | done]
                                  + [r for r in admitted if r not in done])
         assert after.waiting == [*reversed(rec.preempted), *before.waiting[len(admitted):]]
@@ -348,10 +348,10 @@ def test_no_token_lost_or_invented(state: State) -> None:
         scheduled = {**rec.prefill, **dict.fromkeys(rec.decode, 1)}
         assert set(scheduled) <= set(before.reqs)
         assert set(rec.preempted) <= set(before.running) - set(scheduled)
-        assert set(rec.finished) <= set(scheduled)
+        assert set(rec.finished_ids) <= set(scheduled)
         for rid, (p, c, o, _) in before.reqs.items():
             req = run.requests[rid]
-            if rid in rec.finished:
+            if rid in rec.finished_ids:
                 assert rid not in after.reqs
                 c2, o2 = req.computed, req.output
             else:
@@ -367,14 +367,14 @@ def test_no_token_lost_or_invented(state: State) -> None:
             assert c2 == c + n
             sampled = n > 0 and c + n == p + o
             assert o2 == o + sampled
-            assert (rid in rec.first_token) == (sampled and o == 0)
+            assert (rid in rec.first_token_ids) == (sampled and o == 0)
             if sampled and o == 0:
                 assert req.first_token == rec.end
-        for rid in rec.finished:
+        for rid in rec.finished_ids:
             req = run.requests[rid]
             assert req.output == req.stop or req.prompt + req.output >= cfg.max_model_len
             assert req.finished == rec.end
-        finished |= set(rec.finished)
+        finished |= set(rec.finished_ids)
         present = [*after.running, *after.waiting]
         assert len(present) == len(set(present)) == len(after.reqs)
         assert set(present) | finished == everyone
@@ -657,7 +657,7 @@ def _check_fast_paths(snap: Snapshot, p: int, po: int, until: str) -> None:
         assert (fast.estimate_s, fast.steps) == (ref.estimate_s, ref.steps)
     if until != "first_token":
         return
-    fc = _outcome(lambda: Forecaster(snap, max_steps=MAX_STEPS).first_token(p))
+    fc = _outcome(lambda: Forecaster(snap, max_steps=MAX_STEPS).ttft(p))
     if isinstance(ref, ForecastError):
         assert isinstance(fc, ForecastError), (ref, fc)
         return
@@ -711,7 +711,7 @@ def test_one_forecaster_many_probes(state: State, probes: list[int]) -> None:
             oracle[p] = _outcome(lambda p=p: replay(snap, p, reference=True,
                                                     max_steps=MAX_STEPS))
         ref = oracle[p]
-        got = _outcome(lambda p=p: fc.first_token(p))
+        got = _outcome(lambda p=p: fc.ttft(p))
         if isinstance(ref, ForecastError):
             assert isinstance(got, ForecastError), (p, got)
         else:

@@ -140,7 +140,7 @@ def test_the_first_token_floor_never_exceeds_the_forecast(caching: bool, model: 
     from dataclasses import replace
 
     from duetime.engine.batch_time import Sfs6
-    from duetime.engine.compiled import Engine
+    from duetime.engine.engine import Engine
     from duetime.engine.forecasting import ForecastError, forecast
     from duetime.engine.profiles import load_profile
 

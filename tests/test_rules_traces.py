@@ -1,7 +1,8 @@
 """Hand-worked traces of the reference engine against the vLLM V1 rules.
 
-Every expected value below was worked out by hand from ``shared/reference/vllm-v1-scheduler.md``
-(the rules) and the batch-time formulas in ``shared/DESIGN.md``; the comments show the arithmetic.
+Every expected value below was worked out by hand from ``docs/scheduling-rules.md`` (the rules)
+and the batch-time formulas of ``docs/engine.md`` ("Batch-time models"); the comments show the
+arithmetic.
 
 Models (simple coefficients so durations are checkable by hand):
 
@@ -41,14 +42,15 @@ def step(eng: ReferenceEngine) -> StepRecord:
 
 def check(rec: StepRecord, *, duration: float, prefill: dict[str, int] | None = None,
           decode: list[str] | None = None, preempted: list[str] | None = None,
-          first_token: list[str] | None = None, finished: list[str] | None = None) -> None:
+          first_token_ids: list[str] | None = None,
+          finished_ids: list[str] | None = None) -> None:
     """The step's record, exactly (unlisted parts must be empty)."""
     assert rec.duration == pytest.approx(duration, rel=1e-12, abs=1e-12)
     assert rec.prefill == (prefill or {})
     assert rec.decode == (decode or [])
     assert rec.preempted == (preempted or [])
-    assert rec.first_token == (first_token or [])
-    assert rec.finished == (finished or [])
+    assert rec.first_token_ids == (first_token_ids or [])
+    assert rec.finished_ids == (finished_ids or [])
 
 
 def state(r: Request) -> tuple[int, int, int, int]:
@@ -93,7 +95,7 @@ def test_token_budget_is_shared_in_order_and_the_last_admission_is_partial():
     # Step 1: a gets 6 (budget 4), b gets 4 (budget 0), c is not looked at.
     # pre_attn = a: 6*7/2 = 21, b: 4*5/2 = 10 -> 31;  1 + 0.1*10 + 0.031 = 2.031
     r1 = step(eng)
-    check(r1, duration=2.031, prefill={"a": 6, "b": 4}, first_token=["a"])
+    check(r1, duration=2.031, prefill={"a": 6, "b": 4}, first_token_ids=["a"])
     assert r1.start == 0.0 and r1.end == pytest.approx(2.031)
     assert state(a) == (6, 1, 6, 2)       # prefill done: first output sampled; ceil(6/4) = 2
     assert state(b) == (6, 0, 4, 1)
@@ -107,7 +109,7 @@ def test_token_budget_is_shared_in_order_and_the_last_admission_is_partial():
     # n = 1 + 2 + 3 = 6 -> 0.6; dec ctx 6 -> 0.06; pre_attn b: 2*4 + 3 = 11, c: 6 -> 0.017
     r2 = step(eng)
     check(r2, duration=1 + 0.6 + 0.06 + 0.017, prefill={"b": 2, "c": 3}, decode=["a"],
-          first_token=["b", "c"])
+          first_token_ids=["b", "c"])
     assert state(a) == (6, 2, 7, 2)       # 7 tokens in ceil(7/4) = 2 blocks
     assert state(b) == (6, 1, 6, 2)       # +1 block for tokens 5..6
     assert state(c) == (3, 1, 3, 1)
@@ -117,7 +119,7 @@ def test_token_budget_is_shared_in_order_and_the_last_admission_is_partial():
 
     # Step 3: three decodes, ctx 7 + 6 + 3 = 16: 1 + 0.3 + 0.16 = 1.46. a reaches T = 3.
     r3 = step(eng)
-    check(r3, duration=1.46, decode=["a", "b", "c"], finished=["a"])
+    check(r3, duration=1.46, decode=["a", "b", "c"], finished_ids=["a"])
     assert a.finished == pytest.approx(2.031 + 1.677 + 1.46)
     assert state(a) == (6, 3, 8, 0)       # blocks freed at the step's end
     assert ids(eng.running) == ["b", "c"]
@@ -163,7 +165,7 @@ def test_long_prompt_is_prefilled_in_budget_sized_chunks_and_first_token_ends_th
     assert eng.free_blocks == 96
     # chunk 3: 4 at c=16: 1 + 0.4 + 0.001*(64 + 10) = 1.474; prefill done -> first token at
     # the step's end, and T = 1 so it also finishes and frees its 5 blocks.
-    check(step(eng), duration=1.474, prefill={"a": 4}, first_token=["a"], finished=["a"])
+    check(step(eng), duration=1.474, prefill={"a": 4}, first_token_ids=["a"], finished_ids=["a"])
     assert a.first_token == pytest.approx(5.21)    # 1.836 + 1.9 + 1.474
     assert a.finished == pytest.approx(5.21)
     assert state(a) == (20, 1, 20, 0)
@@ -178,16 +180,16 @@ def test_long_prefill_threshold_caps_every_chunk():
 
     # Step 1: a gets min(12, 5, 16) = 5; b gets min(3, 5, 11) = 3 and completes.
     # pre_attn a: 15, b: 6; 1 + 0.1*8 + 0.021 = 1.821
-    check(step(eng), duration=1.821, prefill={"a": 5, "b": 3}, first_token=["b"])
+    check(step(eng), duration=1.821, prefill={"a": 5, "b": 3}, first_token_ids=["b"])
     assert state(a) == (12, 0, 5, 2) and state(b) == (3, 1, 3, 1)
     # Step 2: a is capped at 5 again (running requests too) although budget 15 remains;
     # b decodes at c=3 and reaches T = 2.
     # 1 + 0.1*6 + 0.01*3 + 0.001*(5*5 + 15) = 1.67
-    check(step(eng), duration=1.67, prefill={"a": 5}, decode=["b"], finished=["b"])
+    check(step(eng), duration=1.67, prefill={"a": 5}, decode=["b"], finished_ids=["b"])
     assert state(a) == (12, 0, 10, 3) and state(b) == (3, 2, 4, 0)
     assert eng.free_blocks == 97
     # Step 3: a's last 2 tokens (< threshold): 1 + 0.2 + 0.001*(2*10 + 3) = 1.223
-    check(step(eng), duration=1.223, prefill={"a": 2}, first_token=["a"])
+    check(step(eng), duration=1.223, prefill={"a": 2}, first_token_ids=["a"])
     assert state(a) == (12, 1, 12, 3)
     assert a.first_token == pytest.approx(1.821 + 1.67 + 1.223)
 
@@ -198,14 +200,14 @@ def test_max_num_seqs_caps_admission_until_a_seat_frees_at_a_step_end():
     eng = engine(seqs=2, budget=100, waiting=(a, b, c))
 
     # Step 1: a and b admitted, c is not (2 running). 1 + 0.4 + 0.001*(3 + 3) = 1.406
-    check(step(eng), duration=1.406, prefill={"a": 2, "b": 2}, first_token=["a", "b"])
+    check(step(eng), duration=1.406, prefill={"a": 2, "b": 2}, first_token_ids=["a", "b"])
     assert ids(eng.running) == ["a", "b"] and ids(eng.waiting) == ["c"]
     # Step 2: both decode (ctx 2 + 2) and finish; c is still not admitted in this step because
     # seats free only at the step's end. 1 + 0.2 + 0.04 = 1.24
-    check(step(eng), duration=1.24, decode=["a", "b"], finished=["a", "b"])
+    check(step(eng), duration=1.24, decode=["a", "b"], finished_ids=["a", "b"])
     assert not eng.running and ids(eng.waiting) == ["c"]
     # Step 3: c admitted. 1 + 0.2 + 0.003 = 1.203
-    check(step(eng), duration=1.203, prefill={"c": 2}, first_token=["c"])
+    check(step(eng), duration=1.203, prefill={"c": 2}, first_token_ids=["c"])
 
 
 def test_kv_blocks_are_allocated_per_step_at_block_boundaries():
@@ -221,7 +223,7 @@ def test_kv_blocks_are_allocated_per_step_at_block_boundaries():
         rec = step(eng)
         assert rec.duration == pytest.approx(dur)
         assert (a.output, a.computed, a.blocks, eng.free_blocks) == (k, 4 + k, blocks, free)
-    assert rec.finished == ["a"] and eng.idle
+    assert rec.finished_ids == ["a"] and eng.idle
 
 
 def test_chunk_allocates_only_the_blocks_its_tokens_need():
@@ -248,7 +250,7 @@ def test_failed_allocation_of_the_head_stops_admission():
 
     # Step 1: r computes token 9 -> 3rd block (free 1). big needs 2 > 1: admission stops, and
     # small (which would fit) is NOT admitted past it. 1 + 0.1 + 0.01*8 = 1.18
-    check(step(eng), duration=1.18, decode=["r"], finished=["r"])
+    check(step(eng), duration=1.18, decode=["r"], finished_ids=["r"])
     assert ids(eng.waiting) == ["big", "small"]
     assert state(big) == (8, 0, 0, 0) and state(small) == (4, 0, 0, 0)
     # r reached T = 2 and freed its 3 blocks at the step's end.
@@ -256,7 +258,7 @@ def test_failed_allocation_of_the_head_stops_admission():
 
     # Step 2: both admitted in order (2 + 1 blocks). 1 + 0.1*12 + 0.001*(36 + 10) = 2.246
     check(step(eng), duration=2.246, prefill={"big": 8, "small": 4},
-          first_token=["big", "small"])
+          first_token_ids=["big", "small"])
     assert ids(eng.running) == ["big", "small"] and eng.free_blocks == 1
 
 
@@ -275,7 +277,7 @@ def test_preemption_of_the_last_running_request_and_its_recompute():
     # C = 0, outputs kept, pushed to the FRONT of waiting. a is then scheduled (free 2), b too
     # (free 1). Nothing is admitted in a step that preempted, though w (1 block) would fit.
     # decodes ctx 8 + 4: 1 + 0.2 + 0.12 = 1.32
-    check(step(eng), duration=1.32, decode=["a", "b"], preempted=["c"], finished=["b"])
+    check(step(eng), duration=1.32, decode=["a", "b"], preempted=["c"], finished_ids=["b"])
     assert state(c) == (8, 2, 0, 0)
     assert ids(eng.waiting) == ["c", "w"]
     assert state(a) == (8, 2, 9, 3)
@@ -331,7 +333,7 @@ def test_preemption_takes_victims_from_the_back_until_the_allocation_fits():
     # Each victim goes to the front, so the queue reads b, c. Only a runs:
     # 1 + 0.1*12 + 0.001*(12*4 + 78) = 2.326
     check(step(eng), duration=2.326, prefill={"a": 12}, preempted=["c", "b"],
-          first_token=["a"])
+          first_token_ids=["a"])
     assert ids(eng.running) == ["a"] and ids(eng.waiting) == ["b", "c"]
     assert state(b) == (3, 1, 0, 0) and state(c) == (2, 1, 0, 0)
     assert state(a) == (16, 1, 16, 4) and eng.free_blocks == 0
@@ -394,7 +396,7 @@ def test_sfs6_uses_prompt_plus_outputs_for_every_scheduled_request():
     check(step(eng), duration=1.3946, prefill={"p": 3}, decode=["d"])
     # Step 2: d decode (L = 13), p's last 3 (L = 6): ΣL = 19, ΣL² = 169 + 36 = 205.
     # 1 + 0.3 + 0.09 + 0.001 + 0.0019 + 0.00205 = 1.39495
-    check(step(eng), duration=1.39495, prefill={"p": 3}, decode=["d"], first_token=["p"])
+    check(step(eng), duration=1.39495, prefill={"p": 3}, decode=["d"], first_token_ids=["p"])
     # Step 3: two decodes, L = 14 and 7 (outputs so far included): ΣL = 21, ΣL² = 245.
     # 1 + 0.002 + 0.0021 + 0.00245 = 1.00655
     check(step(eng), duration=1.00655, decode=["d", "p"])
@@ -424,7 +426,7 @@ def test_the_null_block_is_never_allocated():
     a = Request("a", 12, 1)
     eng.add(a)
     # 12 tokens = 3 blocks: admitted whole. 1 + 0.1*12 + 0.001*(12*13/2) = 2.278
-    check(step(eng), duration=2.278, prefill={"a": 12}, first_token=["a"], finished=["a"])
+    check(step(eng), duration=2.278, prefill={"a": 12}, first_token_ids=["a"], finished_ids=["a"])
     assert eng.free_blocks == 3 and eng.kv.usage == 0.0
 
 
@@ -437,12 +439,12 @@ def test_a_waiting_request_is_admitted_only_if_its_whole_sequence_fits():
     check(step(eng), duration=1.836, prefill={"a": 8})
     # Steps 2, 3: a's next chunks. 1 + 0.8 + 0.001*(8*8 + 36) = 1.9; then (8*16 + 36): 1.964
     check(step(eng), duration=1.9, prefill={"a": 8})
-    check(step(eng), duration=1.964, prefill={"a": 8}, first_token=["a"])
+    check(step(eng), duration=1.964, prefill={"a": 8}, first_token_ids=["a"])
     assert eng.free_blocks == 10 - 6
     # Step 4: a decodes (token 25 needs a 7th block: 3 free). b's first chunk (7 tokens, 2
     # blocks) would fit, but its whole 20 tokens (5 blocks) do not: not admitted.
     # 1 + 0.1 + 0.01*24 = 1.34
-    check(step(eng), duration=1.34, decode=["a"], finished=["a"])
+    check(step(eng), duration=1.34, decode=["a"], finished_ids=["a"])
     assert ids(eng.waiting) == ["b"] and eng.free_blocks == 10
     # Step 5: a's blocks are back; b is admitted. 1.836 as step 1.
     check(step(eng), duration=1.836, prefill={"b": 8})
@@ -453,7 +455,7 @@ def test_a_waiting_request_is_admitted_only_if_its_whole_sequence_fits():
     eng = engine(blocks=10, budget=8, waiting=(a, b), full=False)
     for _ in range(3):
         step(eng)
-    check(step(eng), duration=2.068, prefill={"b": 7}, decode=["a"], finished=["a"])
+    check(step(eng), duration=2.068, prefill={"b": 7}, decode=["a"], finished_ids=["a"])
 
 
 def test_the_watermark_applies_to_admissions_while_others_run():
@@ -475,7 +477,7 @@ def test_a_lone_request_ignores_the_long_prefill_threshold():
     # threshold 4: alone, a takes its whole prompt; with company, both get chunks of 4.
     a = Request("a", 10, 1)
     check(step(engine(thr=4, waiting=(a,))), duration=1 + 0.1 * 10 + 0.001 * 55,
-          prefill={"a": 10}, first_token=["a"], finished=["a"])
+          prefill={"a": 10}, first_token_ids=["a"], finished_ids=["a"])
     a, b = Request("a", 10, 1), Request("b", 10, 1)
     assert step(engine(thr=4, waiting=(a, b))).prefill == {"a": 4, "b": 4}
     # a lone running request mid-prefill gets the rest at once
@@ -490,9 +492,9 @@ def test_a_prompt_larger_than_the_cache_blocks_the_queue_for_good():
 
     a, h, c = Request("a", 5, 3), Request("h", 13, 2), Request("c", 2, 2)
     eng = engine(blocks=3, waiting=(a, h, c))
-    check(step(eng), duration=1 + 0.1 * 5 + 0.001 * 15, prefill={"a": 5}, first_token=["a"])
+    check(step(eng), duration=1 + 0.1 * 5 + 0.001 * 15, prefill={"a": 5}, first_token_ids=["a"])
     step(eng)
-    check(step(eng), duration=1 + 0.1 + 0.01 * 6, decode=["a"], finished=["a"])
+    check(step(eng), duration=1 + 0.1 + 0.01 * 6, decode=["a"], finished_ids=["a"])
     assert ids(eng.waiting) == ["h", "c"] and eng.free_blocks == 3
     with pytest.raises(EngineStuck, match=r"'h' can never be admitted: its 13 tokens need 4 KV "
                        r"blocks and the instance has 3; it blocks the queue"):

@@ -1,5 +1,5 @@
 """``Snapshot.from_dict`` / ``Snapshot.load`` reject bad snapshots with a ``SnapshotError`` whose
-message names the field path and the reason (``shared/reference/snapshot-format.md``)."""
+message names the field path and the reason (``docs/engine.md``, "Snapshots")."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from duetime.engine.batch_time import Sfs6
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.engine.forecasting import ForecastError, forecast
 from duetime.engine.profiles import load_profile
 from duetime.engine.wait_estimate import ROW_SIZE, LoadBoard
@@ -223,7 +223,7 @@ def test_an_engines_noise_does_not_depend_on_how_it_is_stepped() -> None:
 
 
 def test_step_noise_is_mean_one_log_normal() -> None:
-    from duetime.engine.kernel import step_normal
+    from duetime.engine.scheduler_kernel import step_normal
 
     z = np.array([step_normal(11, k) for k in range(20000)])
     assert abs(z.mean()) < 0.03 and abs(z.std() - 1) < 0.03
@@ -260,9 +260,9 @@ def test_step_noise_is_the_same_compiled_or_not() -> None:
     import subprocess
     import sys
 
-    from duetime.engine.kernel import step_normal
+    from duetime.engine.scheduler_kernel import step_normal
 
-    code = ("from duetime.engine.kernel import step_normal; import numpy as np; "
+    code = ("from duetime.engine.scheduler_kernel import step_normal; import numpy as np; "
             "print(repr([step_normal(np.int64(s), np.int64(k)) for s in (0, 11, 2**61 + 5) "
             "for k in (0, 1, 977)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -130,7 +130,7 @@ def _case(name: str, cfg: dict[str, Any], reqs: list[tuple[int, int, int]]) -> C
 
 
 def targeted(*, asynchronous: bool = False) -> list[Case]:
-    """One or more cases per rule (``shared/reference/vllm-v1-scheduler.md``)."""
+    """One or more cases per rule (``docs/scheduling-rules.md``)."""
     out = [
         # A: the null block: 4 blocks hold 3 x 16 tokens, not 64
         _case("A-null-block", {"num_gpu_blocks": 4}, [(60, 2, 0)]),
@@ -245,8 +245,8 @@ def run_engine(case: Case) -> dict:
                       "preempted": list(rec.preempted), "first": [], "finished": [],
                       **({"hits": [[rid, n] for rid, n in rec.hits]} if caching else {})})
         made = steps[k if rec.outputs_of is None else k - 1]  # async: the previous step's
-        made["first"] += rec.first_token
-        made["finished"] += rec.finished
+        made["first"] += rec.first_token_ids
+        made["finished"] += rec.finished_ids
     while steps and not any(steps[-1].values()):
         steps.pop()
     return {"name": case.get("name", ""), "steps": steps, "end": end}

@@ -3,7 +3,7 @@
 Run with the python of the vLLM venv (``scripts/vllm_cpu/setup_env.sh``); it reads cases as
 JSON on stdin and writes one JSON result per case on stdout (JSON lines). It does not import
 duetime. How vLLM's ``Scheduler`` is built from configs alone follows vLLM's own unit tests
-(``shared/reference/vllm-v1-scheduler.md``, "Driving vLLM's scheduler without a model").
+(``docs/scheduling-rules.md``, "Checking the rules against vLLM").
 
 A case::
 

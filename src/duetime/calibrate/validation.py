@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.engine.spec import InstanceSpec
 from duetime.estimate.correction import TtftCorrection
 from duetime.workload.arrivals import MMPP2, Poisson

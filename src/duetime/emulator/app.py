@@ -7,7 +7,7 @@
 | ``POST /tokenize`` | ``{"count", "max_model_len", "tokens"}`` from the documented estimate (tokens are placeholders: one id per 4 characters, the same for the same characters) |
 | ``GET /health`` | 200, or 503 when marked unhealthy |
 | ``GET /metrics`` | Prometheus text with vLLM's metric names |
-| ``GET /snapshot`` | the engine's snapshot JSON (docs/engine.md, "Snapshot JSON"; version 2, with the prefix cache, while prefix caching is on); header ``x-duetime-clock`` = the emulator's clock when it was taken |
+| ``GET /snapshot`` | the engine's snapshot JSON (``docs/engine.md``, "Snapshots"; version 2, with the prefix cache, while prefix caching is on); header ``x-duetime-clock`` = the emulator's clock when it was taken |
 | ``GET/POST /emulator/faults`` | read / set failure injection ``{"rate", "kinds", "healthy"}`` (tests) |
 | ``GET/POST /emulator/speed`` | read / set the speed ``{"speed": X}`` from the next step on (a drifting server, tests) |
 

@@ -308,11 +308,11 @@ class Emulator:
                 self.m_preempt.inc(ev.preempted)
             early = ev.outputs_at < ev.end  # asynchronous: the last step's outputs, due now
             if early:
-                self._release(ev.outputs_at, ev.tokens, ev.first_token, ev.finished)
+                self._release(ev.outputs_at, ev.tokens, ev.first_token_ids, ev.finished_ids)
             # always yield (sleep(0) when late): the step loop must never starve the server
             await asyncio.sleep(max(0.0, ev.end - clock()))
             if not early:
-                self._release(ev.end, ev.tokens, ev.first_token, ev.finished)
+                self._release(ev.end, ev.tokens, ev.first_token_ids, ev.finished_ids)
             if self.caching:
                 self._count_cache()
 

@@ -6,8 +6,8 @@ as the ground-truth instance of the cluster simulator, and as the clock of the e
 """
 
 from duetime.engine.batch_time import MODELS, BatchTimeModel, Paper4, Sfs6, model_from_dict
-from duetime.engine.compiled import Engine, RequestColumns, StepEvents
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.engine import Engine, RequestColumns, StepEvents
 from duetime.engine.forecasting import (
     Forecast,
     Forecaster,

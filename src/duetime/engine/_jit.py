@@ -5,7 +5,7 @@
 Compiled functions are cached on disk (``cache=True``), in a folder named after a fingerprint
 of this package's sources. numba invalidates a cached function when *its own* file changes,
 not when a function it calls (and inlines) in another file does: after an edit of
-``pool_kernel.py``, the kernel's cached steps ran the old pool code on the new layout and
+``block_pool_kernel.py``, the kernel's cached steps ran the old pool code on the new layout and
 corrupted a forecast's undo silently. A folder per fingerprint makes any edit here recompile
 everything once; the folders of other fingerprints not used for a day are removed (an
 installed package never changes its sources, but a working tree piled up 78 MB of them).

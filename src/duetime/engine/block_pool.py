@@ -5,7 +5,7 @@ a new allocation evicts depends on the order of the free queue, and whether a hi
 capacity depends on whether someone still holds the block. So this follows vLLM 0.32's
 ``BlockPool`` (``vllm/v1/core/block_pool.py``), ``FullAttentionManager`` and
 ``KVCacheManager.allocate_slots`` operation for operation, for one full-attention group whose
-hash block size is the block size:
+hash block size is the block size (``docs/scheduling-rules.md``, "Prefix caching"):
 
 * blocks ``1 .. num_gpu_blocks - 1`` start in the free queue in that order (block 0 is the null
   block); the free count is the queue's length, cached blocks with no holder included;

@@ -31,12 +31,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from duetime.engine import kernel as kn
+from duetime.engine import scheduler_kernel as kn
 from duetime.engine._jit import njit
 from duetime.engine.batch_time import BatchTimeModel
-from duetime.engine.config import SchedulerConfig
-from duetime.engine.kv import block_shift, blocks_for, stuck_reason
-from duetime.engine.pool_kernel import (
+from duetime.engine.block_pool_kernel import (
     U_EV,
     U_EVCAP,
     U_NEV,
@@ -47,6 +45,8 @@ from duetime.engine.pool_kernel import (
     new_key_map,
     undo_all,
 )
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.kv import block_shift, blocks_for, stuck_reason
 from duetime.engine.prefix_json import block_keys
 from duetime.engine.remaining import DEFAULT_SIGMA
 from duetime.engine.request import Request
@@ -98,7 +98,7 @@ def _probe_id(snapshot: Snapshot) -> str:
 
 @lru_cache(maxsize=256)
 def config_array(cfg: SchedulerConfig) -> np.ndarray:
-    """The kernel's ``cfg`` array of a scheduler config (see :mod:`kernel`)."""
+    """The kernel's ``cfg`` array of a scheduler config (see :mod:`~duetime.engine.scheduler_kernel`)."""
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
                      block_shift(cfg.block_size), cfg.watermark_blocks,
@@ -113,7 +113,7 @@ def _weights_array(model: BatchTimeModel) -> np.ndarray:
 
 def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None,
            probe_hashes: Sequence[int] | np.ndarray | None = None) -> tuple:
-    """Fresh replay arrays for the snapshot (see :mod:`kernel`); ``probe`` = (prompt, stop)
+    """Fresh replay arrays for the snapshot (see :mod:`~duetime.engine.scheduler_kernel`); ``probe`` = (prompt, stop)
     joins the queue's tail (with its block keys ``probe_hashes`` under prefix caching). With
     prefix caching the replay borrows the cache behind the snapshot
     (:mod:`duetime.engine.prefix_state`): the caller puts it back with :func:`_give_back`."""
@@ -272,8 +272,8 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
 @njit(cache=True, nogil=True)
 def events_by_key(undo):  # pragma: no cover - jit
     """The key events of the replay on the log's pool so far (see
-    :mod:`duetime.engine.pool_kernel`), sorted by key and in time order per key: (keys,
-    stamps, signs, index), ``index`` a key table (:func:`~duetime.engine.pool_kernel.key_get`)
+    :mod:`duetime.engine.block_pool_kernel`), sorted by key and in time order per key: (keys,
+    stamps, signs, index), ``index`` a key table (:func:`~duetime.engine.block_pool_kernel.key_get`)
     from each key to 1 + where its events start; or empty arrays and False if the events
     overflowed the log."""
     n = undo[U_NEV]
@@ -319,7 +319,7 @@ def hits_at(kmap, keys, ev_key, ev_stamp, ev_sign, ev_index, stamp):  # pragma: 
     return keys.shape[0]
 
 
-_TOKENS = itertools.count(1)  # the forecasters' lease tokens (pool_kernel.lease)
+_TOKENS = itertools.count(1)  # the forecasters' lease tokens (block_pool_kernel.lease)
 
 
 class _EventsLost(Exception):
@@ -342,7 +342,7 @@ class Forecaster:
         self._bs = cfg.block_size
         self._model = snapshot.model
         # with prefix caching the base borrows the engine's cache and keeps its changes between
-        # calls (a lease on the pool: see pool_kernel); if another replay or the engine took
+        # calls (a lease on the pool: see block_pool_kernel); if another replay or the engine took
         # the cache back meanwhile, it is replayed from the snapshot again. Its key events tell
         # when a probe's blocks were cached (see _hits)
         self._caching = cfg.enable_prefix_caching
@@ -350,7 +350,7 @@ class Forecaster:
         self._token = next(_TOKENS)
         self._gen = -1  # the log's generation that holds the lease
         self._events: tuple[np.ndarray, ...] | None = None  # see events_by_key
-        self._room = np.zeros(3, dtype=np.int64)  # see kernel.run_base
+        self._room = np.zeros(3, dtype=np.int64)  # see scheduler_kernel.run_base
         self._rec = np.empty((64, 3), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
         self._rec_t = np.empty(64)
@@ -403,17 +403,17 @@ class Forecaster:
 
     # -- probes ---------------------------------------------------------------------------------
 
-    def first_token(self, prompt_tokens: int,
-                    prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
-        """TTFT forecast for a probe of ``prompt_tokens`` tokens at the queue's tail
+    def ttft(self, prompt_tokens: int,
+             prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
+        """TTFT forecast (``until="first_token"``) for a probe of ``prompt_tokens`` tokens at the queue's tail
         (``prompt_hashes``: its block keys, with prefix caching)."""
         try:
-            return self._first_token(prompt_tokens, prompt_hashes)
+            return self._ttft(prompt_tokens, prompt_hashes)
         except _EventsLost:
             return self._replay(int(prompt_tokens), prompt_hashes)
 
-    def _first_token(self, prompt_tokens: int,
-                     prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
+    def _ttft(self, prompt_tokens: int,
+              prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
         _check_probe(self.snapshot.config, prompt_tokens, None, "first_token")
         p = int(prompt_tokens)
         cap = self._cap
@@ -567,6 +567,6 @@ def forecast(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: in
     if trace:
         return replay(snapshot, prompt_tokens, predicted_output_tokens, until, trace=True)
     if until == "first_token":
-        return forecaster(snapshot).first_token(prompt_tokens, prompt_hashes)
+        return forecaster(snapshot).ttft(prompt_tokens, prompt_hashes)
     return replay(snapshot, prompt_tokens, predicted_output_tokens, until,
                   prompt_hashes=prompt_hashes)

@@ -1,18 +1,18 @@
-"""The KV block ledger: the one place that knows how KV cache blocks are counted, allocated and
-freed (the role of vLLM's ``KVCacheManager`` over its ``BlockPool``).
+"""The KV block ledger, reference form: how KV cache blocks are counted, allocated and freed
+(the role of vLLM's ``KVCacheManager`` over its ``BlockPool``), request by request.
 
-Two forms of the same rules, kept side by side so that they cannot drift apart:
+:class:`KVLedger` keeps the books of the reference loop (:mod:`duetime.engine.scheduler`):
+per-request ``blocks`` on the :class:`~duetime.engine.request.Request` objects and a free-block
+count. Its compiled form, for the compiled scheduler (:mod:`duetime.engine.scheduler_kernel`),
+is :mod:`duetime.engine.kv_kernel` (the ``kv_*`` functions; ``tests/test_kv.py`` checks that the
+two keep the same books). The plain helpers here (:func:`blocks_for`, :func:`held_blocks`,
+:func:`block_shift`, :func:`stuck_reason`) serve both.
 
-* :class:`KVLedger`, for the reference loop (:mod:`duetime.engine.scheduler`): per-request
-  ``blocks`` on the :class:`~duetime.engine.request.Request` objects and a free-block count;
-* the compiled functions below (``kv_*``), for the kernel (:mod:`duetime.engine.kernel`) and the
-  compiled engine: blocks held per request in column ``HELD`` of the kernel's request table,
-  the free count in the kernel's state. The kernel calls nothing else to count or move blocks.
+Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``;
+``docs/scheduling-rules.md``, "KV blocks"):
 
-Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``):
-
-* one of ``num_gpu_blocks`` is the null block (``block_pool.py``): ``num_gpu_blocks - 1`` are
-  usable, and usage is measured against them;
+* one of ``num_gpu_blocks`` is the null block: ``num_gpu_blocks - 1`` are usable, and usage is
+  measured against them;
 * a request with ``c`` computed tokens holds ``ceil(c / block_size)`` blocks; scheduling ``n``
   more tokens needs ``ceil((c + n) / block_size) - held`` new blocks from the free count; a
   finished, aborted or preempted request gives all its blocks back;
@@ -23,16 +23,13 @@ Rules (vLLM 0.32's ``KVCacheManager.allocate_slots`` over its ``BlockPool``):
   watermark. A prompt whose full sequence exceeds the usable blocks is never admitted: it
   blocks the queue behind it.
 
-With prefix caching (``SchedulerConfig.enable_prefix_caching``) the reference form keeps every
-block (:mod:`duetime.engine.block_pool`): a waiting request with nothing computed first looks up
-its cached prefix (:meth:`KVLedger.lookup`), is admitted with those blocks counted as held (a hit
-on a block nobody holds costs one free block), reuses them (:meth:`KVLedger.reuse`) and
-computes only the rest; every full block of known tokens is registered when it is allocated.
-The compiled form does not cache yet.
-
-The block count of a token count is a division; the kernel shifts instead when the block size
-is a power of two (``shift`` = log2(block size), else -1): in a decode step the division would
-cost more than the rest of the request's bookkeeping.
+With prefix caching (``SchedulerConfig.enable_prefix_caching``) blocks have identities and the
+ledger keeps every one in a :class:`~duetime.engine.block_pool.BlockPool`: a waiting request
+with nothing computed first looks up its cached prefix (:meth:`KVLedger.lookup`), is admitted
+with those blocks counted as held (a hit on a block nobody holds costs one free block), reuses
+them (:meth:`KVLedger.reuse`) and computes only the rest; every full block of known tokens is
+registered when it is allocated. The compiled form caches too, with the same rules, through
+the block pool's compiled form (:mod:`duetime.engine.block_pool_kernel`).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from duetime.engine._jit import njit
 from duetime.engine.block_pool import BlockPool
 from duetime.engine.config import NULL_BLOCKS, SchedulerConfig
 
@@ -58,7 +54,8 @@ def held_blocks(computed: np.ndarray, block_size: int) -> int:
 
 
 def block_shift(block_size: int) -> int:
-    """log2(block_size) if it is a power of two, else -1 (see the module doc)."""
+    """log2(block_size) if it is a power of two, else -1 (the compiled form shifts instead of
+    dividing then: :mod:`duetime.engine.kv_kernel`)."""
     return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else -1
 
 
@@ -219,53 +216,3 @@ class KVLedger:
         """Fraction of the usable cache in use (vLLM's ``kv_cache_usage_perc``; cached blocks
         nobody holds count as free)."""
         return self.used_blocks / self.usable_blocks if self.usable_blocks else 0.0
-
-
-# -- the compiled form --------------------------------------------------------------------------
-# The kernel keeps each request's blocks in column ``HELD`` of its request table ``req`` (the
-# row a step reads anyway); the free count lives in the kernel's state.
-
-HELD = 4
-
-
-@njit(cache=True, nogil=True, inline="always")
-def kv_blocks(tokens, bs, shift):  # pragma: no cover - jit
-    """Blocks that hold ``tokens`` tokens (``shift`` >= 0: block size 2**shift)."""
-    if shift >= 0:
-        return (tokens + bs - 1) >> shift
-    return (tokens + bs - 1) // bs
-
-
-@njit(cache=True, nogil=True, inline="always")
-def kv_need(req, r, tokens, bs, shift):  # pragma: no cover - jit
-    """New blocks row ``r`` needs to hold ``tokens`` computed tokens."""
-    return kv_blocks(tokens, bs, shift) - req[r, HELD]
-
-
-@njit(cache=True, nogil=True, inline="always")
-def kv_admit(req, r, full_tokens, tokens, free, spare, full_sequence, bs,
-             shift):  # pragma: no cover - jit
-    """New blocks waiting row ``r`` needs for its first chunk (``tokens`` computed tokens),
-    or -1 if it may not be admitted now (``KVLedger.admit``; ``spare``: the watermark blocks
-    while others run, else 0)."""
-    if full_sequence and kv_blocks(full_tokens, bs, shift) - req[r, HELD] + spare > free:
-        return -1
-    need = kv_need(req, r, tokens, bs, shift)
-    if need + spare > free:
-        return -1
-    return need
-
-
-@njit(cache=True, nogil=True, inline="always")
-def kv_take(req, r, blocks):  # pragma: no cover - jit
-    """Row ``r`` takes ``blocks`` more blocks; returns them (subtract from the free count)."""
-    req[r, HELD] += blocks
-    return blocks
-
-
-@njit(cache=True, nogil=True, inline="always")
-def kv_release(req, r):  # pragma: no cover - jit
-    """Row ``r`` gives back all its blocks; returns how many (add to the free count)."""
-    b = req[r, HELD]
-    req[r, HELD] = 0
-    return b

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from duetime.engine import pool_kernel as pk
+from duetime.engine import block_pool_kernel as pk
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.kv import blocks_for
 from duetime.engine.prefix_state import (

@@ -5,12 +5,12 @@ A forecast with prefix caching must replay the cache exactly: which blocks a wai
 (and the probe) hits depends on what the requests ahead register and evict on the way. Copying
 the whole cache for every forecast would cost time in its size (50,000 blocks: milliseconds),
 so a snapshot *borrows* the engine's block pool and key map: the replay changes them in place
-and puts back what it changed (:func:`duetime.engine.pool_kernel.undo_all`), in time and
+and puts back what it changed (:func:`duetime.engine.block_pool_kernel.undo_all`), in time and
 memory bounded by what it touched. A borrowed state is valid only while the engine has not
 changed since the snapshot (its revision); a forecast from a stale one is refused. One replay
 at a time holds the borrowed cache: a forecaster may keep it between calls
-(:func:`duetime.engine.pool_kernel.lease`), and the next borrower takes it back first
-(:func:`~duetime.engine.pool_kernel.reclaim`).
+(:func:`duetime.engine.block_pool_kernel.lease`), and the next borrower takes it back first
+(:func:`~duetime.engine.block_pool_kernel.reclaim`).
 
 Nothing of the arenas is copied either. A forecast's block arena is the engine's own: each
 resident request's blocks at the snapshot stay where the engine keeps them (columns ``H0``,
@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from duetime.engine import kernel as kn
+from duetime.engine import scheduler_kernel as kn
 from duetime.engine._jit import njit
-from duetime.engine.pool_kernel import reclaim
+from duetime.engine.block_pool_kernel import reclaim
 
 
 @njit(cache=True, nogil=True)
@@ -110,7 +110,7 @@ class PrefixState:
     rows: np.ndarray          # (running + waiting, 6): see the C_* columns
     free: int
     next_uid: int
-    undo: np.ndarray  # the engine's undo log (pool_kernel.new_undo): a replay puts it back
+    undo: np.ndarray  # the engine's undo log (block_pool_kernel.new_undo): a replay puts it back
     is_current: Callable[[], bool]  # the engine has not changed since
     # the block and key arenas with room for (blocks, keys) more entries past their used
     # parts: (blocks, where their free space starts, keys, where theirs starts); the engine's
@@ -120,7 +120,7 @@ class PrefixState:
     def replay_arrays(self, req: np.ndarray, st: np.ndarray, bs: int, max_len: int,
                       probe_hashes: np.ndarray | None) -> tuple:
         """Fill the caching columns of a forecast's request table ``req`` (rows as
-        :func:`duetime.engine.kernel.prepare` made them: running, waiting, then the probe's
+        :func:`duetime.engine.scheduler_kernel.prepare` made them: running, waiting, then the probe's
         spare row) and its free count; return the pool arguments of the kernel (pool, key
         map, arenas, undo bookkeeping). ``probe_hashes``: int64 keys."""
         if not self.is_current():

@@ -6,7 +6,7 @@ from collections.abc import Hashable, Sequence
 
 
 class Request:
-    """Mutable per-request state (see ``shared/reference/vllm-v1-scheduler.md``).
+    """Mutable per-request state (``docs/scheduling-rules.md``, "A request and an instance").
 
     ``prompt`` P, ``output`` O (tokens produced so far), ``stop`` T (the output length it stops
     at: predicted in a forecast, true in a simulation), ``computed`` C (with asynchronous

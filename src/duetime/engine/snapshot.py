@@ -1,4 +1,5 @@
-"""Snapshots: one instance's state at one moment (``shared/reference/snapshot-format.md``).
+"""Snapshots: one instance's state at one moment (the JSON format: ``docs/engine.md``,
+"Snapshots").
 
 ``Snapshot.from_dict`` validates untrusted JSON (errors name the field and the reason);
 the constructor takes already-checked parts from trusted producers (the gateway, the simulator).

@@ -1,6 +1,7 @@
 """Paper-like synthetic snapshots, for benchmarks, demos and tests.
 
-Prompt lengths follow the released SFS calibration mix (``paper-parameters.yaml``:
+Prompt lengths follow the released SFS calibration mix (``docs/simulator.md``, "The papers'
+parameters":
 49.9% <= 128 tokens, 0.3% 128-512, 23.1% 512-2k, 13.6% 2k-8k, 12.9% 8k-32k, 0.2% > 32k),
 log-uniform within a bin; output lengths are log-uniform on 100..1000 tokens (the paper's
 "responses ~1e2..1e3"). Running requests are decoding at a uniform point of their output,

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from duetime.engine import kernel as kn
+from duetime.engine import scheduler_kernel as kn
 from duetime.engine._jit import njit
 from duetime.engine.remaining import DEFAULT_SIGMA, stop_length
 
@@ -84,7 +84,7 @@ def summarize(req, pred, run, wq, st, clock, cfg, w, row):  # pragma: no cover -
 def run_until_publishing(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb,
                          rk, t_limit, stop_on_finish, noise, pred,
                          row):  # pragma: no cover - jit
-    """:func:`kernel.run_until`, then the engine's summary into ``row``: one call where
+    """:func:`scheduler_kernel.run_until`, then the engine's summary into ``row``: one call where
     two cost a second dispatch (the simulator makes one per busy engine and arrival)."""
     code, detail = kn.run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool,
                                 kmap, rb, rk, None, t_limit, stop_on_finish, noise)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.engine.batch_time import Sfs6
-from duetime.engine.compiled import Engine
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.engine import Engine
 from duetime.engine.forecasting import forecast
 from duetime.engine.wait_estimate import LoadBoard
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 
 
 class PrefixIndex(Protocol):

@@ -29,7 +29,7 @@ from duetime.sim.retry import run_retries
 from duetime.workload import load_workload
 from duetime.workload.kvlookup import load_pool
 
-# The paper's settings (shared/reference/paper-parameters.yaml).
+# The paper's settings (docs/simulator.md, "The papers' parameters").
 PAPER_RATES = (3, 4, 5, 6, 7, 8, 8.3, 8.6, 8.75, 9, 9.2, 9.3, 9.5)
 QUICK_RATES = (3, 5, 7, 8, 9, 9.5)
 PAPER_REQUESTS = 16000

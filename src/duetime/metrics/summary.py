@@ -1,4 +1,4 @@
-"""Metric formulas (DESIGN.md, "Metrics").
+"""Metric formulas (``docs/simulator.md``, "Metrics").
 
 * TTFT = first token - arrival at the router; on time = TTFT <= target.
 * utility = realised quality - lambda * realised cost (micro-dollars);

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.estimate.base import KeysByBlockSize
 from duetime.estimate.prefix_index import EngineCacheIndex, EstimatedPrefixIndex, PrefixIndex
 from duetime.workload.requests import RequestSet

@@ -4,7 +4,7 @@ router gets (the policies' :class:`~duetime.estimate.base.InstanceView`, with a
 
 from __future__ import annotations
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec
 from duetime.engine.wait_estimate import LoadBoard
@@ -24,7 +24,7 @@ class SimInstance:
 
     def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0,
                  cache_view: str = "precise", seed: int | None = None) -> None:
-        """``seed``: the engine's step-noise stream (:class:`~duetime.engine.compiled.Engine`)."""
+        """``seed``: the engine's step-noise stream (:class:`~duetime.engine.engine.Engine`)."""
         self.name = name
         self.spec = spec
         self.engine = Engine(spec.config, spec.batch_time, noise=noise, seed=seed)
@@ -66,7 +66,7 @@ class SimInstance:
         return self.engine.snapshot()
 
     def first_token_floor(self, prompt_tokens: int) -> float:
-        """See :meth:`duetime.engine.compiled.Engine.first_token_floor` (what a router may
+        """See :meth:`duetime.engine.engine.Engine.first_token_floor` (what a router may
         skip a forecast with)."""
         self.sync()
         return self.engine.first_token_floor(prompt_tokens)

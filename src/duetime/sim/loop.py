@@ -42,7 +42,7 @@ def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]]
             continue
         step = min(busy, key=lambda i: i.engine.time).engine.step()
         # (asynchronous scheduling: the outputs are the previous step's, made at this start)
-        for rid in step.finished if step else ():
+        for rid in step.finished_ids if step else ():
             for item in finished(rid, step.outputs_at):
                 heapq.heappush(heap, (step.outputs_at, seq, item))
                 seq += 1

@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.gateway.config import KvEventsSpec
 from duetime.gateway.state.kv_events import CacheMirror, KvEventSubscriber
 from duetime.gateway.state.lifecycle import Attempt, Subscriber

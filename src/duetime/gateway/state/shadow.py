@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from duetime.engine.compiled import Engine
+from duetime.engine.engine import Engine
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec

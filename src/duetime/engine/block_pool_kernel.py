@@ -17,7 +17,7 @@ Layout:
   numba typed dict did the same at ~5x the cost per operation, which the forecasts felt;
 * a request's blocks are a slice of the arena ``rb`` and its known block keys a slice of
   ``rk`` (offsets and counts in its row of the kernel's request table; see
-  :mod:`duetime.engine.kernel`). A full block past its known keys gets a key of its own made
+  :mod:`duetime.engine.scheduler_kernel`). A full block past its known keys gets a key of its own made
   from the request's ``uid`` (:func:`own_key`), as the reference form's ``(id, index)``.
 
 Keys are int64 (vLLM's block hashes, or the workloads' 64-bit chained hashes).
@@ -273,7 +273,7 @@ def _key_del(kmap, k, undo):  # pragma: no cover - jit
     i = _home(k, mask)
     while kmap[i, 0] != k or kmap[i, 1] == 0:
         if kmap[i, 1] == 0:  # (a bug: a corrupt pool would otherwise loop for ever)
-            raise AssertionError("pool_kernel: removing a key that is not in the table")
+            raise AssertionError("block_pool_kernel: removing a key that is not in the table")
         i = (i + 1) & mask
     _save_slot(kmap, i, undo)
     if undo is not None:
@@ -344,7 +344,7 @@ def _evict(pool, kmap, b, undo):  # pragma: no cover - jit
         while pool[p, P_DUP] != b:
             p = pool[p, P_DUP]
             if p < 0:  # (a bug, as above)
-                raise AssertionError("pool_kernel: a block missing from its key's chain")
+                raise AssertionError("block_pool_kernel: a block missing from its key's chain")
         _save(pool, p, undo)
         pool[p, P_DUP] = pool[b, P_DUP]
     pool[b, P_DUP] = -1
@@ -420,7 +420,7 @@ def pool_cache(pool, kmap, b, key, undo):  # pragma: no cover - jit
             p = pool[p, P_DUP]
             n += 1
             if n > pool.shape[0]:  # (a bug, as above)
-                raise AssertionError("pool_kernel: a cycle in a key's chain")
+                raise AssertionError("block_pool_kernel: a cycle in a key's chain")
         _save(pool, p, undo)
         pool[p, P_DUP] = b
     else:

@@ -15,7 +15,7 @@ operations a live server needs, all by request id:
 
 Every read is public and read-only (:meth:`request`, :meth:`lookup`, :meth:`history`,
 :meth:`running_ids`, :meth:`snapshot`); the arrays behind them (layout in
-:mod:`duetime.engine.kernel`) never leave this module.
+:mod:`duetime.engine.scheduler_kernel`) never leave this module.
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from duetime.engine import kernel as kn
+from duetime.engine import scheduler_kernel as kn
 from duetime.engine.batch_time import BatchTimeModel
-from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import config_array
-from duetime.engine.kv import HELD, blocks_for, kv_release, kv_take, stuck_reason
-from duetime.engine.pool_kernel import (
+from duetime.engine.block_pool_kernel import (
     drop_keys,
     key_match,
     new_key_map,
@@ -44,6 +41,10 @@ from duetime.engine.pool_kernel import (
     reclaim,
     store_free,
 )
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.forecasting import config_array
+from duetime.engine.kv import blocks_for, stuck_reason
+from duetime.engine.kv_kernel import HELD, kv_release, kv_take
 from duetime.engine.prefix_state import PrefixState, with_room
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
@@ -63,12 +64,12 @@ class StepEvents:
     start: float
     end: float
     scheduled: int
-    first_token: list[str] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)
+    first_token_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
     preempted: int = 0
     _made: np.ndarray | None = field(default=None, repr=False)
     _ids: list[str] | None = field(default=None, repr=False)
-    # when the outputs listed (first_token, finished, tokens) were made: the step's end; with
+    # when the outputs listed (first_token_ids, finished_ids, tokens) were made: the step's end; with
     # asynchronous scheduling they are the previous step's, made at this step's start
     outputs_at: float = math.nan
     # prefix caching: tokens of the requests admitted after a cache lookup, and of those the
@@ -793,7 +794,7 @@ class Engine:
 
     def _reclaim(self) -> None:
         """Prefix caching: put back what a forecaster kept of its replay on the engine's cache
-        (:func:`duetime.engine.pool_kernel.lease`) before the engine reads or changes it."""
+        (:func:`duetime.engine.block_pool_kernel.lease`) before the engine reads or changes it."""
         reclaim(self._pool, self._kmap, self._undo)
 
     # -- the router's view ------------------------------------------------------------------------
