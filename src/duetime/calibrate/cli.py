@@ -182,7 +182,7 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
     async def go() -> tuple[float, list]:
         timeout = aiohttp.ClientTimeout(total=args.request_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            client = Client(args.url.rstrip("/"), args.model, session, args.seed)
+            client = Client(args.url.rstrip("/"), args.model, session)
             await client.token_ids()
             say(f"measuring capacity ({clients} clients, {cap_requests} requests)")
             cap = await measure_capacity(client, mix, clients, cap_requests, args.seed)
@@ -194,7 +194,7 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
                     run = trace(load, cap, arr, args.requests, mix, seed)
                     say(f"load {load:g} ({load * cap:.2f}/s), {arr}: {len(run)} requests")
                     before = await server_stats(session, client.url)
-                    await run_trace(client, run, seed)
+                    await run_trace(client, run)
                     await asyncio.sleep(args.pause)
                     after = await server_stats(session, client.url)
                     for key, (ds, dc) in server_delta(before, after).items():
@@ -301,7 +301,9 @@ def add_validate_command(sub: Any, command: Any, error: type[Exception]) -> None
     p.add_argument("--pause", type=float, default=1.0, metavar="S",
                    help="idle seconds between runs (default 1)")
     p.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
-    p.add_argument("--seed", type=int, default=0, metavar="S")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="seeds the trace: lengths and arrival times (default 0; the prompts' "
+                   "token ids are fresh each run, so a prefix cache holds none of them)")
     p.add_argument("--trace", default=None, metavar="CSV",
                    help="replay the requests of an earlier run's results.csv with --profile "
                    "instead of driving the server (URL is then only reported)")

@@ -9,7 +9,8 @@ it did through duetime's engine:
 2. **Loads.** For each load (a fraction of that capacity) and each arrival process (Poisson,
    or bursty: a two-state MMPP with the same mean), a seeded trace: prompt lengths
    log-uniform over ``[min_prompt, max_prompt]`` (random token ids from the server's own
-   tokenizer, new for every request, so no prefix-cache hit), output lengths uniform over
+   tokenizer, new for every request of every run, so the server's prefix cache holds none of
+   them), output lengths uniform over
    ``[min_output, max_output]`` with ``ignore_eos`` (the server stops at exactly that many).
    Every request is streamed with usage (``continuous_usage_stats`` where vLLM has it), and its
    timeline recorded: send, first token, each chunk, finish, token counts.
@@ -41,6 +42,7 @@ import contextlib
 import json
 import math
 import random
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -122,12 +124,17 @@ class Record:
 
 @dataclass
 class Client:
-    """Sends the workload's requests to ``url`` (``/v1/completions``, token-id prompts)."""
+    """Sends the workload's requests to ``url`` (``/v1/completions``, token-id prompts).
+
+    A prompt's token ids are drawn from the run's ``salt`` and the request's id, so no two
+    prompts of a run share a prefix and a second run finds nothing of the first in the
+    server's prefix cache (vLLM caches by default; the replay models an empty cache). The
+    seed fixes the trace (lengths, arrival times), not the content."""
 
     url: str
     model: str
     session: aiohttp.ClientSession
-    seed: int = 0
+    salt: str = field(default_factory=lambda: secrets.token_hex(8))
     ids: list[int] = field(default_factory=list)
 
     async def token_ids(self) -> None:
@@ -143,9 +150,14 @@ class Client:
             body = {}
         self.ids = sorted(set(body.get("tokens") or [])) or list(range(100, 400))
 
-    async def send(self, rec: Record, t0: float, rng: random.Random) -> None:
+    def prompt(self, rec: Record) -> list[int]:
+        """``rec``'s prompt: token ids of this run's and this request's own."""
+        rng = random.Random(f"{self.salt}/{rec.id}")
+        return [rng.choice(self.ids) for _ in range(rec.prompt_tokens)]
+
+    async def send(self, rec: Record, t0: float) -> None:
         """Send ``rec`` (at ``t0 + rec.sent``) and record its timeline."""
-        prompt = [rng.choice(self.ids) for _ in range(rec.prompt_tokens)]
+        prompt = self.prompt(rec)
         body = {"model": self.model, "prompt": prompt, "max_tokens": rec.max_tokens,
                 "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -223,12 +235,10 @@ def trace(load: float, capacity: float, arrivals: str, n: int, mix: Mix,
     return out
 
 
-async def run_trace(client: Client, recs: list[Record], seed: int) -> None:
+async def run_trace(client: Client, recs: list[Record]) -> None:
     """Send the trace in real time (open loop)."""
     t0 = time.monotonic() + 0.05
-    rng = random.Random(seed)
-    await asyncio.gather(*(client.send(r, t0, random.Random(rng.getrandbits(32)))
-                           for r in recs))
+    await asyncio.gather(*(client.send(r, t0) for r in recs))
 
 
 async def measure_capacity(client: Client, mix: Mix, clients: int, n: int,
@@ -239,14 +249,13 @@ async def measure_capacity(client: Client, mix: Mix, clients: int, n: int,
     queue = list(reversed(todo))
     t0 = time.monotonic()
 
-    async def worker(k: int) -> None:
-        wrng = random.Random(seed * 1000 + k)
+    async def worker() -> None:
         while queue:
             rec = queue.pop()
             rec.sent = time.monotonic() - t0
-            await client.send(rec, t0, wrng)
+            await client.send(rec, t0)
 
-    await asyncio.gather(*(worker(k) for k in range(clients)))
+    await asyncio.gather(*(worker() for _ in range(clients)))
     elapsed = time.monotonic() - t0
     done = [r for r in todo if r.ok]
     if not done:
