@@ -100,19 +100,20 @@ class Lifecycle:
 
     def __init__(self, subscribers: Sequence[Subscriber] = ()) -> None:
         self.subscribers = tuple(subscribers)
-        # per instance: its subscriber list (a new one when its replica is rebuilt) and, per
-        # event, the handlers to call, in order
-        self._plans: dict[int, tuple[Sequence[Subscriber], dict[str, list[Handler]]]] = {}
+        # per instance (held, so that its id is not reused while planned): its subscriber
+        # list (a new one when its replica is rebuilt) and, per event, the handlers to call
+        self._plans: dict[int, tuple[InstanceState, Sequence[Subscriber],
+                                     dict[str, list[Handler]]]] = {}
 
     def _handlers(self, a: Attempt, event: str) -> list[Handler]:
         own = a.inst.subscribers
         plan = self._plans.get(id(a.inst))
-        if plan is None or plan[0] is not own:
+        if plan is None or plan[1] is not own:
             everyone = [*own, *self.subscribers]
-            plan = (own, {e: [getattr(s, e) for s in everyone if _handles(s, e)]
-                          for e in EVENTS})
+            plan = (a.inst, own, {e: [getattr(s, e) for s in everyone if _handles(s, e)]
+                                  for e in EVENTS})
             self._plans[id(a.inst)] = plan
-        return plan[1][event]
+        return plan[2][event]
 
     def dispatch(self, a: Attempt) -> Attempt:
         for handle in self._handlers(a, "on_dispatch"):
