@@ -5,8 +5,8 @@ and clients here; per scenario, how many requests succeeded and how many were lo
     python benchmarks/reliability.py [--quick] [--scenarios open,closed,kill,burst,soak,sigterm]
         [--requests 1000] [--rate 100] [--clients 16] [--fail-rate 0.2] [--soak-s 30]
 
-Scenarios: ``open`` (Poisson arrivals at --rate, 20% faults: 5xx, timeouts, disconnects, on
-every instance), ``closed`` (--clients clients back to back, the same faults), ``kill`` (no
+Scenarios: ``open`` (Poisson arrivals at --rate, 20% faults: 5xx, timeouts, disconnects and
+streams broken after three tokens, on every instance), ``closed`` (--clients clients back to back, the same faults), ``kill`` (no
 faults; one instance killed a third of the way and restarted on its port two seconds later),
 ``burst`` (500 streams at once), ``soak`` (--rate for --soak-s seconds; the gateway's memory
 before and after), ``sigterm`` (streams open when the gateway gets SIGTERM: each must finish
@@ -14,8 +14,9 @@ within the drain timeout or end with an error event).
 
 Half the requests stream. Prints one row per scenario: requests, succeeded, lost (retryable
 failures that reached the client: a 5xx or 429, or a stream that ended with an error event
-before any of its answer), streams that broke mid-answer and ended with an error event (an
-instance killed under them: nothing to retry), streams cut (no ``[DONE]`` and no error
+before any of its answer), streams that broke mid-answer and ended with an error event (the
+gateway continues a broken stream on another instance of the model, or on the same one: these
+are the ones it could not), streams cut (no ``[DONE]`` and no error
 event), other failures, the gateway's RSS before and after (MB), and the gateway's exit code
 where the scenario stops it.
 """
@@ -41,7 +42,7 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = "5xx,timeout,disconnect"
+KINDS = "5xx,timeout,disconnect,break"
 
 
 def free_port() -> int:

@@ -1,6 +1,7 @@
 """The reliability suite: real processes on loopback (three `duetime emulate`, `duetime serve`
 over them), the scenarios of `benchmarks/reliability.py` at a small size. Nothing may be lost:
-no retryable failure reaches a client, no stream is cut without an error event."""
+no retryable failure reaches a client, no stream is cut, none ends with an error event (a
+broken one continues on another instance)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def test_nothing_is_lost(name: str) -> None:
     assert tally.lost == 0, tally.notes[:5]
     assert tally.cut == 0, tally.notes[:5]
     assert tally.other == 0, tally.notes[:5]
-    # only a killed instance may break streams mid-answer (each with an error event)
-    assert tally.broken <= (args().clients if name == "kill" else 0), tally.notes[:5]
-    assert tally.succeeded + tally.broken == tally.requests
+    # a stream that breaks (an injected break, a killed instance) continues elsewhere
+    assert tally.broken == 0, tally.notes[:5]
+    assert tally.succeeded == tally.requests
     if name == "sigterm":
         assert row.rstrip(" |").endswith("| 0"), row  # drained in time: a clean exit

@@ -16,7 +16,7 @@ with an ``admin_token`` (``duetime serve`` gives each embedded emulator one; ``d
 --admin-token``), and answer 403 to everyone when made with ``control_open=False`` and no token.
 
 Request ids: a request's ``x-request-id`` header (if unused) names it in the engine and the
-snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|timeout|disconnect``
+snapshot; the response echoes the id. A request header ``x-emulator-fault: 5xx|timeout|disconnect|break``
 forces that failure for one request (tests).
 
 Prefix caching (on unless turned off): each request's prompt is keyed block by block
@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from duetime.emulator.core import FAULT_KINDS, Emulator, EmuRequest, Faults
+from duetime.emulator.core import BREAK_AFTER, FAULT_KINDS, Emulator, EmuRequest, Faults
 from duetime.web.access import bearer, same_secret
 from duetime.web.asgi import (
     CompletionEndpoint,
@@ -174,7 +174,7 @@ class Completions:
                        request_id=header(scope, b"x-request-id"), hashes=hashes)
         try:
             if req.stream:
-                await self._stream(r, req, send)
+                await self._stream(r, req, send, broken=fault == "break")
             else:
                 await self._whole(r, req, send)
         finally:
@@ -184,7 +184,10 @@ class Completions:
     def _ids(self, r: EmuRequest) -> tuple[str, int]:
         return (f"chatcmpl-{r.id}" if self.chat else f"cmpl-{r.id}"), int(time.time())
 
-    async def _stream(self, r: EmuRequest, req: CompletionRequest, send: Send) -> None:
+    async def _stream(self, r: EmuRequest, req: CompletionRequest, send: Send, *,
+                      broken: bool = False) -> None:
+        """Stream ``r`` as it is produced (``broken``: drop the connection after
+        ``BREAK_AFTER`` tokens, or before ``[DONE]``)."""
         cid, created = self._ids(r)
         chunks = _Chunks(self.chat, cid, self.emu.model_name, created)
         await send({"type": "http.response.start", "status": 200,
@@ -197,6 +200,13 @@ class Completions:
                 await send({"type": "http.response.body", "body": b""})
                 return
             n = r.produced
+            if broken and (r.done or n >= BREAK_AFTER):
+                n = min(n, BREAK_AFTER if not r.done else max(n - 1, 0))
+                if n > sent:
+                    parts = ([chunks.role] if sent == 0 and chunks.role else [])
+                    await send({"type": "http.response.body", "more_body": True,
+                                "body": b"".join([*parts, *[chunks.token] * (n - sent)])})
+                raise InjectedDisconnect("injected break mid-stream (emulator)")
             if n > sent:
                 parts = []
                 if sent == 0 and chunks.role:

@@ -95,7 +95,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--fail-rate", type=unit_rate, default=0.0, metavar="F",
                    help="fraction of requests that fail (default 0)")
     p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",
-                   help="failure kinds drawn uniformly: 5xx, timeout, disconnect (default 5xx)")
+                   help="failure kinds drawn uniformly: 5xx, timeout, disconnect, break (default 5xx)")
     p.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV) or None,
                    metavar="TOKEN",
                    help="the bearer token its control routes (/emulator/faults, "

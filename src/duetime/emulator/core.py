@@ -41,7 +41,8 @@ from duetime.engine.warmup import warm_up
 log = logging.getLogger("duetime.emulator")
 
 MAX_LAG_S = 0.05
-FAULT_KINDS = ("5xx", "timeout", "disconnect")
+FAULT_KINDS = ("5xx", "timeout", "disconnect", "break")
+BREAK_AFTER = 3  # tokens a ``break`` fault streams before the connection drops
 
 # vLLM's buckets for vllm:time_to_first_token_seconds and the latency histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -57,7 +58,8 @@ class Faults:
     """Failure injection: each request fails with probability ``rate``, its kind drawn
     uniformly from ``kinds`` (``5xx``: an immediate 500; ``timeout``: no answer until the client
     gives up; ``disconnect``: the response starts, then the connection drops before any
-    token). ``healthy`` False: /health answers 503 and every request 503 (a dead engine)."""
+    token; ``break``: a stream drops after :data:`BREAK_AFTER` tokens, or before its
+    ``[DONE]`` if it ends sooner, as an instance dying mid-stream). ``healthy`` False: /health answers 503 and every request 503 (a dead engine)."""
 
     rate: float = 0.0
     kinds: tuple[str, ...] = ("5xx",)

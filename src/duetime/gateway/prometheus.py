@@ -65,6 +65,12 @@ class GatewayMetrics:
                                        ["instance", "kind"], registry=r)
         self.retries = Counter("duetime_retries", "Upstream attempts after the first.",
                                registry=r)
+        self.stream_breaks = Counter(
+            "duetime_stream_breaks", "Streams that broke after the client got part of the "
+            "answer, by what followed: continued (on another instance of the model), "
+            "not_resumable (the answer could not continue exactly), exhausted (no instance "
+            "could continue it; the stream ended with an error event).", ["outcome"],
+            registry=r)
         self.cancelled = Counter("duetime_client_disconnects",
                                  "Requests whose client went away before the response ended "
                                  "(the upstream request was cancelled).", registry=r)

@@ -14,7 +14,9 @@ The attempt's events (:mod:`duetime.gateway.state.lifecycle`): its first token o
 response's start and first bytes are on their way to the client, its token count as chunks
 pass, and its end — :attr:`~Outcome.OK` (answered, or a client error relayed),
 :attr:`~Outcome.FAILED` (nothing reached the client: retriable), :attr:`~Outcome.BROKEN` (the
-stream broke after the client got bytes) or :attr:`~Outcome.CANCELLED` — always, exactly once.
+stream broke after the client got bytes: :class:`StreamBroken`, which the relay continues on
+another instance, :mod:`duetime.gateway.relay.resumption`) or :attr:`~Outcome.CANCELLED` —
+always, exactly once.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ import aiohttp
 from duetime.gateway.config import Pool
 from duetime.gateway.intake.request import RequestContext
 from duetime.gateway.relay.reassembly import Reassembly
+from duetime.gateway.relay.resumption import Continuation
 from duetime.gateway.state.lifecycle import Attempt, Lifecycle, Outcome
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.web.asgi import Send, send_json
-from duetime.web.sse import SSE_HEADERS, Kind, classified, error_event, split_events
+from duetime.web.sse import SSE_HEADERS, Kind, classified, split_events
 
 log = logging.getLogger("duetime.gateway")
 
@@ -48,6 +51,19 @@ class AttemptFailed(Exception):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class StreamBroken(Exception):
+    """A stream broke after the client got part of it (``error``: what broke it, an upstream
+    error event or the gateway's words; ``kept``: a resumable stream's token and role events
+    forwarded, else None; ``told``: the upstream's error event reached the client). The
+    relay continues the answer elsewhere or ends the stream with the error."""
+
+    def __init__(self, error: bytes, kept: list[bytes] | None, told: bool) -> None:
+        super().__init__(error.decode(errors="replace"))
+        self.error = error
+        self.kept = kept
+        self.told = told
 
 
 class Passthrough(Exception):
@@ -71,8 +87,14 @@ class _Stream:
     complete: bool = False  # its ``[DONE]`` came
     usage: dict[str, Any] | None = None
     error: bytes | None = None
+    broken: bool = False  # an error event ended a resumable stream
+    told: bool = False  # an upstream error event was forwarded to the client
     # the chunks merged, for a non-streaming client
     answer: Reassembly = field(default_factory=Reassembly)
+    # a resumable stream's forwarded token and role events (None: not resumable)
+    kept: list[bytes] | None = None
+    # a continuation's: its events as the first answer's (:class:`Continuation`)
+    rewrite: Callable[[list[bytes]], list[bytes]] | None = None
 
 
 class AttemptRunner:
@@ -87,10 +109,13 @@ class AttemptRunner:
         self._headers: dict[str, str] = {"content-type": "application/json"}
 
     async def run(self, a: Attempt, ctx: RequestContext, path: str, body: bytes, send: Send,
-                  extra: Sequence[tuple[bytes, bytes]] = ()) -> int:
+                  extra: Sequence[tuple[bytes, bytes]] = (), *, resumable: bool = False,
+                  continuation: Continuation | None = None) -> int:
         """Run attempt ``a`` to its end; returns the HTTP status answered (200). Raises
-        :class:`AttemptFailed` (retriable) or :class:`Passthrough` (a 4xx to relay).
-        ``extra``: more response headers (the decision's explanation)."""
+        :class:`AttemptFailed` (retriable), :class:`Passthrough` (a 4xx to relay) or
+        :class:`StreamBroken` (with the events to continue it where ``resumable``).
+        ``extra``: more response headers (the decision's explanation); ``continuation``: the
+        attempt continues a broken answer (the response has started)."""
         st: _Stream | None = None
         outcome, failure, output_tokens = Outcome.CANCELLED, None, None
         try:
@@ -99,6 +124,10 @@ class AttemptRunner:
             except Passthrough:
                 outcome = Outcome.OK  # (the instance answered: a client error, relayed)
                 raise
+            if resumable:
+                st.kept = []
+            if continuation is not None:
+                st.rewrite = continuation.rewrite
             t_first = time.monotonic()
             headers = self._response_headers(a, ctx, extra)
             if ctx.req.stream:
@@ -113,6 +142,10 @@ class AttemptRunner:
             return 200
         except AttemptFailed as e:
             outcome, failure = Outcome.FAILED, (e.kind, str(e))
+            raise
+        except StreamBroken as e:
+            outcome, output_tokens = Outcome.BROKEN, st.tokens if st is not None else None
+            self.log_request(ctx, a, 200, output_tokens, e.error)
             raise
         finally:
             if st is not None and not (outcome is Outcome.OK and st.complete):
@@ -172,11 +205,13 @@ class AttemptRunner:
 
     async def _stream(self, a: Attempt, ctx: RequestContext, st: _Stream, events: list[bytes],
                       headers: list[tuple[bytes, bytes]], t_first: float, send: Send) -> None:
-        """Stream the response to a streaming client: its start and first events, then the
-        rest as it comes, then a final error event if the stream broke."""
+        """Stream the response to a streaming client: its start (unless it continues a broken
+        answer) and first events, then the rest as it comes; :class:`StreamBroken` if the
+        stream breaks (the relay continues it or ends it with an error event)."""
         out = self._scan(a, ctx, events, st, collect=False)
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [*SSE_HEADERS, *headers]})
+        if st.rewrite is None:  # (a continuation's response has started)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [*SSE_HEADERS, *headers]})
         if out:
             await send({"type": "http.response.body", "body": out, "more_body": True})
         # the first token's bookkeeping after it is on its way to the client
@@ -184,11 +219,11 @@ class AttemptRunner:
         async for out in self._rest(a, ctx, st, collect=False):
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
-        tail = b"" if st.complete else error_event(
-            st.error or b"upstream stream ended without [DONE]")
-        await send({"type": "http.response.body", "body": tail})
-        if st.complete:
-            await finish(st.resp)
+        if not st.complete:
+            raise StreamBroken(st.error or b"upstream stream ended without [DONE]", st.kept,
+                               st.told)
+        await send({"type": "http.response.body", "body": b""})
+        await finish(st.resp)
 
     async def _collect(self, a: Attempt, ctx: RequestContext, st: _Stream,
                        events: list[bytes], headers: list[tuple[bytes, bytes]],
@@ -210,7 +245,7 @@ class AttemptRunner:
     async def _rest(self, a: Attempt, ctx: RequestContext, st: _Stream, *,
                     collect: bool) -> AsyncIterator[bytes]:
         """The rest of an upstream stream, as bytes to forward (empty when collecting)."""
-        while not st.complete:
+        while not (st.complete or st.broken):
             try:
                 chunk = await anext(st.chunks)
             except StopAsyncIteration:
@@ -227,6 +262,8 @@ class AttemptRunner:
         """Account for upstream events; return the bytes to forward to a streaming client."""
         out: list[bytes] = []
         req = ctx.req
+        if st.rewrite is not None:
+            events = st.rewrite(events)
         for ev, data, kind in classified(events):
             if kind == Kind.DONE:
                 st.complete = True
@@ -240,6 +277,10 @@ class AttemptRunner:
                     out.append(ev + b"\n\n")
             elif kind == Kind.ERROR:
                 st.error = data
+                if st.kept is not None:  # (resumable: the relay decides what the client sees)
+                    st.broken = True
+                    break
+                st.told = True
                 out.append(ev + b"\n\n")
             else:
                 st.tokens += kind == Kind.TOKEN
@@ -247,6 +288,8 @@ class AttemptRunner:
                     st.answer.add(_decode(data))
                 else:
                     out.append(ev + b"\n\n")
+                    if st.kept is not None:
+                        st.kept.append(ev)
         self.lifecycle.record_progress(a, st.tokens)
         return b"".join(out)
 
