@@ -16,7 +16,8 @@ Half the requests stream. Prints one row per scenario: requests, succeeded, lost
 failures that reached the client: a 5xx or 429, or a stream that ended with an error event
 before any of its answer), streams that broke mid-answer and ended with an error event (the
 gateway continues a broken stream on another instance of the model, or on the same one: these
-are the ones it could not), streams cut (no ``[DONE]`` and no error
+are the ones it could not), streams the gateway continued mid-answer on another instance (its
+``duetime_stream_breaks_total{outcome="continued"}``), streams cut (no ``[DONE]`` and no error
 event), other failures, the gateway's RSS before and after (MB), and the gateway's exit code
 where the scenario stops it.
 """
@@ -167,11 +168,13 @@ class Tally:
     broken: int = 0        # streams that broke mid-answer and ended with an error event
     cut: int = 0           # streams without [DONE] and without an error event
     other: int = 0         # anything else (4xx, transport errors)
+    continued: float = math.nan  # streams the gateway continued on another instance
     notes: list[str] = field(default_factory=list)
 
     def row(self, name: str, rss: tuple[float, float], code: int | None) -> str:
+        cont = "–" if math.isnan(self.continued) else f"{self.continued:.0f}"
         return (f"| {name} | {self.requests} | {self.succeeded} | {self.lost} | "
-                f"{self.broken} | {self.cut} | "
+                f"{self.broken} | {cont} | {self.cut} | "
                 f"{self.other} | {mb(rss[0])} → {mb(rss[1])} | "
                 f"{'' if code is None else code} |")
 
@@ -265,6 +268,16 @@ async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None)
     await asyncio.gather(*side)
 
 
+async def continued_streams(url: str) -> float:
+    """How many broken streams the gateway continued elsewhere (its Prometheus counter)."""
+    async with httpx.AsyncClient(base_url=url, timeout=10.0) as c:
+        text = (await c.get("/metrics")).text
+    for line in text.splitlines():
+        if line.startswith('duetime_stream_breaks_total{outcome="continued"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
     faults = args.fail_rate if name in ("open", "closed") else 0.0
     speed = 2.0 if name == "sigterm" else 20.0
@@ -300,6 +313,8 @@ async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
                 await asyncio.gather(*streams)
                 code = cl.gateway.wait(args.drain_timeout + 20)
         after = rss_mb(pid) if cl.gateway.poll() is None else float("nan")
+        if cl.gateway.poll() is None:
+            tally.continued = await continued_streams(cl.url)
     finally:
         stopped = await cl.stop()
         code = code if code is not None else (stopped if name == "sigterm" else None)
@@ -322,8 +337,8 @@ def main() -> None:
     if args.quick:
         args.requests, args.burst, args.soak_s = 200, 100, 5.0
     print("| scenario | requests | succeeded | lost | broke mid-stream (error event) | "
-          "streams cut | other | gateway RSS (MB) | exit code |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "continued mid-stream | streams cut | other | gateway RSS (MB) | exit code |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.scenarios.split(","):
         row, tally = asyncio.run(scenario(name, args))
         print(row, flush=True)
