@@ -59,10 +59,10 @@ def config(**kw: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def picker(cfg: dict[str, Any] | None = None
+async def picker(cfg: dict[str, Any] | None = None, fallbacks: int = 0
                  ) -> AsyncIterator[tuple[PickerService, pb_grpc.ExternalProcessorStub]]:
     svc = await PickerService(pool_from_dict(cfg or config(), "test"), host="127.0.0.1",
-                              port=0).start()
+                              port=0, fallbacks=fallbacks).start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
             yield svc, pb_grpc.ExternalProcessorStub(ch)
@@ -263,6 +263,41 @@ def test_choice_matches_the_gateway(target_ms):
             call.cancel()
 
     run(go())
+
+
+def test_fallbacks_follow_the_choice_and_serve_the_same_model():
+    """With --fallbacks, the destination is the protocol's list: the chosen endpoint, then the
+    other instances of its model (never another model's: the body names the model); when the
+    data plane reports it served a fallback, the attempt moves there."""
+    cfg = config()
+    cfg["instances"].append({**cfg["instances"][0], "name": "c",
+                             "emulate": {"speed": 2.0, "seed": 2}})
+
+    async def go():
+        async with picker(cfg, fallbacks=2) as (svc, stub):
+            eps = endpoints(svc)
+            call, out = await route(stub, json.dumps(chat(model="big")).encode())
+            dest = set_headers(out[0])[DEST]
+            assert metadata_endpoint(out[0]) == dest
+            first, *rest = dest.split(",")
+            assert {first, *rest} == {eps["a"], eps["c"]} and len(rest) == 1
+            chosen = next(s for s in svc.gateway.instances if eps[s.name] == first)
+            other = next(s for s in svc.gateway.instances if eps[s.name] == rest[0])
+            assert len(chosen.flights) == 1 and not other.flights
+            await call.write(response_headers(served=rest[0]))
+            await call.read()
+            moved = await wait_for(lambda: len(other.flights) == 1 and not chosen.flights)
+            call.cancel()
+            # model auto: the fallbacks serve the chosen instance's model, and no other
+            call, out = await route(stub, json.dumps(chat()).encode())
+            first, *rest = set_headers(out[0])[DEST].split(",")
+            call.cancel()
+            return moved, first, rest, eps
+
+    moved, first, rest, eps = run(go())
+    assert moved
+    same = {"a": [eps["c"]], "c": [eps["a"]], "b": []}
+    assert rest == same[next(n for n, e in eps.items() if e == first)]
 
 
 def test_headers_only_requests_go_round_robin():

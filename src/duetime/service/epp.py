@@ -26,11 +26,13 @@ class PickerService:
 
     def __init__(self, pool: Pool, *, host: str = "0.0.0.0", port: int = 9002,
                  metrics_port: int | None = None,
-                 tls: tuple[bytes, bytes] | None = None) -> None:
-        """``tls``: a PEM key and certificate chain to serve gRPC over TLS (else plaintext)."""
+                 tls: tuple[bytes, bytes] | None = None, fallbacks: int = 0) -> None:
+        """``tls``: a PEM key and certificate chain to serve gRPC over TLS (else plaintext);
+        ``fallbacks``: endpoints returned after the chosen one (:class:`Picker`)."""
         self.instances = Service(pool)
         self.host, self.port, self.metrics_port = host, port, metrics_port
         self.tls = tls
+        self.fallbacks = fallbacks
         self.gateway: Gateway | None = None
         self.picker = None  # the Picker, once started (grpc is imported on start)
         self.metrics_server: AppServer | None = None
@@ -48,7 +50,7 @@ class PickerService:
             pool = await self.instances.start_instances()
             self.gateway = gw = Gateway(pool, host=self.host)
             await gw.start()
-            self.picker = picker = Picker(gw)
+            self.picker = picker = Picker(gw, fallbacks=self.fallbacks)
             creds = None if self.tls is None else grpc.ssl_server_credentials([self.tls])
             self.port = await picker.start(self.host, self.port, credentials=creds)
             if self.metrics_port is not None:

@@ -36,7 +36,8 @@ async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
             raise error(f"cannot read the TLS files: {e}") from None
     try:
         svc = PickerService(pool, host=args.host, port=args.port,
-                            metrics_port=args.metrics_port or None, tls=tls)
+                            metrics_port=args.metrics_port or None, tls=tls,
+                            fallbacks=args.fallbacks)
     except ConfigError as e:
         raise error(str(e)) from None
     stop = asyncio.Event()
@@ -101,6 +102,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="override the config's policy (`duetime policies` lists them)")
     p.add_argument("--policy-param", type=key_value, action="append", default=None,
                    metavar="NAME=VALUE", help="a parameter of the policy (repeatable)")
+    p.add_argument("--fallbacks", type=int, choices=range(0, 9), default=0, metavar="N",
+                   help="after the chosen endpoint, up to N more serving the same model, in "
+                   "the order the policy ranks them, as the protocol's comma-separated list "
+                   "(for a data plane that tries them in order; default 0: one endpoint)")
     p.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve gRPC over TLS with this certificate chain (with --tls-key)")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="the TLS private key")

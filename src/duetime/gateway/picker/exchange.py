@@ -104,6 +104,7 @@ class Exchange:
         self.route = "other"
         self.decided = False
         self.endpoint: str | None = None
+        self.destination = ""  # what goes back: the endpoint, then its fallbacks (a list)
         self.subset: list[str] | None = None
         # the routed completion and its attempt
         self.ctx: RequestContext | None = None
@@ -209,6 +210,7 @@ class Exchange:
         except ApiError as e:
             return self._error(e)
         self._dispatch(ctx, choice, endpoint)
+        self.destination = ",".join([endpoint, *self._fallbacks(ctx, choice)])
         served = choice.inst.instance.served_model
         if ctx.req.model != served:  # (an alias: the instance knows its own name only)
             body = dict(ctx.req.body)
@@ -216,6 +218,14 @@ class Exchange:
             raw = json.dumps(body, separators=(",", ":")).encode()
             return self._destination(raw, end=end, rewritten=True)
         return self._destination(raw, end=end, rewritten=False)
+
+    def _fallbacks(self, ctx: RequestContext, choice: Choice) -> list[str]:
+        """The endpoints to try after the chosen one (``Picker.fallbacks`` of them)."""
+        k = self.picker.fallbacks
+        if k <= 0:
+            return []
+        eps = (self.picker.endpoints.of(s) for s in self.host.router.fallbacks(ctx, choice, k))
+        return [e for e in eps if e is not None]
 
     def _dispatch(self, ctx: RequestContext, choice: Choice, endpoint: str) -> None:
         self.attempt = self.host.router.dispatch(ctx, choice, 1)
@@ -233,12 +243,12 @@ class Exchange:
 
     def _destination(self, raw: bytes, *, end: bool,
                      rewritten: bool) -> list[pb.ProcessingResponse]:
-        assert self.endpoint is not None
+        dest = self.destination
         if self.request_mode == messages.BUFFERED:
-            return [messages.destination(self.endpoint, in_body_response=True,
+            return [messages.destination(dest, in_body_response=True,
                                          body_length=len(raw) if rewritten else None,
                                          body=raw if rewritten else None)]
-        return [messages.destination(self.endpoint, body_length=len(raw)),
+        return [messages.destination(dest, body_length=len(raw)),
                 *messages.streamed_body(raw, end=end, request=True)]
 
     def _answer_round_robin(self, *, in_body: bool,

@@ -48,10 +48,13 @@ class Host(Protocol):
 
 class Picker(pb_grpc.ExternalProcessorServicer):
     """The ext_proc service over a started gateway's parts (:class:`Host`); :meth:`start`
-    serves it, with gRPC health checks, on ``host:port``."""
+    serves it, with gRPC health checks, on ``host:port``. ``fallbacks``: how many endpoints
+    of the same model follow the chosen one in the destination (the protocol's list, tried
+    in order by the data plane)."""
 
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, *, fallbacks: int = 0) -> None:
         self.host = host
+        self.fallbacks = fallbacks
         self.endpoints = Endpoints(host.instances)
         self._rr = itertools.count()
         self.server: grpc.aio.Server | None = None

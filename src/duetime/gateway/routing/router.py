@@ -139,6 +139,22 @@ class Router:
             self.metrics.dashboard.labels("explain").inc(time.thread_time() - t)
         return choice
 
+    def fallbacks(self, ctx: RequestContext, choice: Choice, k: int) -> list[InstanceState]:
+        """Up to ``k`` instances to try, in order, if ``choice`` fails: the others in rotation
+        that serve the same model under the same name, ranked by the policy's dry run
+        (:meth:`Policy.preview`: nothing dispatched, no later choice changed)."""
+        served = choice.inst.instance.served_model
+        rest = [s for s in ctx.candidates if s is not choice.inst and s.healthy
+                and s.instance.served_model == served]
+        out: list[InstanceState] = []
+        now = time.monotonic()
+        while rest and len(out) < k:
+            rr = self._routing_request(ctx, rest, now)
+            best = rest[ctx.policy.preview(rr, [c.candidate for c in rest], now).index]
+            out.append(best)
+            rest.remove(best)
+        return out
+
     async def pick(self, ctx: RequestContext) -> Choice:
         """The first attempt's instance: the policy's choice among those in rotation, admitted
         by priority (:meth:`Admission.admit`: may raise :class:`Shed`, or wait in the queue
