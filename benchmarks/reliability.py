@@ -6,9 +6,9 @@ and clients here; per scenario, how many requests succeeded and how many were lo
         [--requests 1000] [--rate 100] [--clients 16] [--fail-rate 0.2] [--soak-s 30]
 
 Scenarios: ``open`` (Poisson arrivals at --rate, 20% faults: 5xx, timeouts, disconnects and
-streams broken after three tokens, on every instance), ``closed`` (--clients clients back to back, the same faults), ``kill`` (no
-faults; one instance killed a third of the way and restarted on its port two seconds later),
-``burst`` (500 streams at once), ``soak`` (--rate for --soak-s seconds; the gateway's memory
+streams broken after three tokens, on every instance), ``closed`` (--clients clients back to
+back, the same faults), ``kill`` (no faults, 64-token answers; one instance killed a third of
+the way and restarted on its port two seconds later), ``burst`` (500 streams at once), ``soak`` (--rate for --soak-s seconds; the gateway's memory
 before and after), ``sigterm`` (streams open when the gateway gets SIGTERM: each must finish
 within the drain timeout or end with an error event).
 
@@ -253,7 +253,8 @@ async def open_loop(url: str, n: int, rate: float, tally: Tally, seed: int = 0,
         await asyncio.gather(*tasks)
 
 
-async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None) -> None:
+async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None,
+                      max_tokens: int = 16) -> None:
     counter = iter(range(n))
     side: list[asyncio.Task] = []
 
@@ -261,7 +262,7 @@ async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None)
         for k in counter:
             if during is not None and k == n // 3:
                 side.append(asyncio.create_task(during()))
-            await one(c, k, tally)
+            await one(c, k, tally, max_tokens)
 
     async with client(url, clients * 2) as c:
         await asyncio.gather(*(worker(c) for _ in range(clients)))
@@ -297,8 +298,9 @@ async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
                 cl.kill(1)
                 await asyncio.sleep(2.0)
                 await cl.restart(1)
+            # (64-token answers: streams are mid-answer on the instance when it dies)
             await closed_loop(cl.url, args.requests, args.clients, tally,
-                              during=kill_and_restart)
+                              during=kill_and_restart, max_tokens=64)
         elif name == "burst":
             async with client(cl.url, 600) as c:
                 await asyncio.gather(*(one(c, 2 * k + 1, tally) for k in range(args.burst)))
