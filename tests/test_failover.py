@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 
 from duetime.emulator import Faults
-from duetime.gateway.intake.controls import Controls
 from duetime.gateway.relay.resumption import Continuation, Sent, not_resumable
 from test_gateway import PRICE, gateway, metric, run
 
@@ -145,7 +144,6 @@ class _Ctx:
 
         self.req = parse_completion(json.dumps(body).encode(), chat=chat)
         self.chat = chat
-        self.controls = Controls
 
 
 def test_what_cannot_be_resumed_is_said_before_the_stream_starts():
