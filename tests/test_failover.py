@@ -95,6 +95,26 @@ def test_a_completion_stream_continues_with_the_text_appended_to_the_prompt():
     assert all("usage" not in ch or ch["usage"] is None for ch in chunks)  # (not asked for)
 
 
+def test_a_stream_that_broke_after_its_answer_ended_is_closed_not_continued():
+    """Two tokens asked: `a` sends both (the last with its finish reason) and drops before the
+    usage and `[DONE]`; the gateway closes the stream itself, usage counted."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+    async def go():
+        async with gateway(pool()) as (_svc, c):
+            out = await read_stream(c, "/v1/chat/completions", body)
+            return out, (await c.get("/metrics")).text
+
+    (r, chunks, raw), metrics = run(go())
+    assert r.headers["x-duetime-instance"] == "a" and raw[-1] == "[DONE]"
+    assert text_of(chunks, True) == "tok tok "
+    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    assert chunks[-1]["id"] == chunks[0]["id"] and chunks[-1]["choices"] == []
+    assert metric(metrics, 'duetime_stream_breaks_total{outcome="ended"}') == 1
+    assert metric(metrics, "duetime_retries_total") == 0
+
+
 def test_a_stream_that_cannot_continue_exactly_ends_with_an_error_event():
     """Log probabilities asked for: not resumable, so the break reaches the client as an error
     event after the tokens it got (as before failover existed)."""

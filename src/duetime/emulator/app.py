@@ -201,11 +201,14 @@ class Completions:
                 return
             n = r.produced
             if broken and (r.done or n >= BREAK_AFTER):
-                n = min(n, BREAK_AFTER if not r.done else max(n - 1, 0))
-                if n > sent:
-                    parts = ([chunks.role] if sent == 0 and chunks.role else [])
-                    await send({"type": "http.response.body", "more_body": True,
-                                "body": b"".join([*parts, *[chunks.token] * (n - sent)])})
+                ends = r.done and n <= BREAK_AFTER  # (all of it but its usage and [DONE])
+                n = n if ends else BREAK_AFTER
+                parts = [chunks.role] if sent == 0 and chunks.role else []
+                parts += [chunks.token] * (n - sent - ends)
+                if ends:
+                    parts.append(chunks.last(r.finish_reason))
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": b"".join(parts)})
                 raise InjectedDisconnect("injected break mid-stream (emulator)")
             if n > sent:
                 parts = []

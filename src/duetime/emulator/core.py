@@ -58,8 +58,9 @@ class Faults:
     """Failure injection: each request fails with probability ``rate``, its kind drawn
     uniformly from ``kinds`` (``5xx``: an immediate 500; ``timeout``: no answer until the client
     gives up; ``disconnect``: the response starts, then the connection drops before any
-    token; ``break``: a stream drops after :data:`BREAK_AFTER` tokens, or before its
-    ``[DONE]`` if it ends sooner, as an instance dying mid-stream). ``healthy`` False: /health answers 503 and every request 503 (a dead engine)."""
+    token; ``break``: a stream drops after :data:`BREAK_AFTER` tokens, or, if it ends
+    sooner, after its last token (before its usage and ``[DONE]``), as an instance dying
+    mid-stream). ``healthy`` False: /health answers 503 and every request 503 (a dead engine)."""
 
     rate: float = 0.0
     kinds: tuple[str, ...] = ("5xx",)

@@ -67,9 +67,10 @@ class GatewayMetrics:
                                registry=r)
         self.stream_breaks = Counter(
             "duetime_stream_breaks", "Streams that broke after the client got part of the "
-            "answer, by what followed: continued (on another instance of the model), "
-            "not_resumable (the answer could not continue exactly), exhausted (no instance "
-            "could continue it; the stream ended with an error event).", ["outcome"],
+            "answer, by what followed: continued (on another instance of the model), ended "
+            "(its answer had ended: the stream was closed), not_resumable (the answer could "
+            "not continue exactly), exhausted (no instance could continue it; the stream "
+            "ended with an error event).", ["outcome"],
             registry=r)
         self.cancelled = Counter("duetime_client_disconnects",
                                  "Requests whose client went away before the response ended "

@@ -12,9 +12,11 @@ the first instance counted them where its stream said, else the gateway's own co
 
 Where a continuation could not be exact, the stream is not resumed and ends with an error
 event, as before: log probabilities, ``echo`` or ``suffix``, guided or
-structured output, a prompt other than one string (completions), a chat that streamed tool
-calls or text other than ``content`` (reasoning), or an answer whose end (a finish reason) had
-already been sent. (``n`` above 1 the gateway refuses at its intake.)
+structured output, a prompt other than one string (completions), or a chat that streamed tool
+calls or text other than ``content`` (reasoning). (``n`` above 1 the gateway refuses at its
+intake.) A stream that broke after the answer's end (its finish reason) was sent is not
+continued but closed: its usage chunk, where the client asked for one, and ``[DONE]``
+(:func:`closing`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from duetime.estimate.base import KeysByBlockSize
 from duetime.gateway.intake.request import RequestContext
 from duetime.gateway.relay.reassembly import Reassembly
 from duetime.web.prefix_keys import prompt_block_keys
-from duetime.web.sse import Kind, classified
+from duetime.web.sse import DONE, Kind, classified
 
 # request fields whose output a continuation cannot reproduce from text alone
 _INEXACT = ("logprobs", "top_logprobs", "echo", "suffix", "response_format", "guided_json",
@@ -69,6 +71,7 @@ class Sent:
     created: int | None = None
     model: str | None = None
     why_not: str | None = None  # set when what was sent cannot be continued exactly
+    ended: bool = False  # the answer's end (a finish reason) was sent: nothing to continue
 
     def add(self, events: list[bytes], *, chat: bool) -> None:
         """Take in an attempt's forwarded token and role events."""
@@ -92,8 +95,7 @@ class Sent:
             self.why_not = "tool calls were streamed"
         elif others:
             self.why_not = f"{others[0]} was streamed"
-        elif c.finish_reason:
-            self.why_not = "the answer's end was sent"
+        self.ended = self.ended or bool(c.finish_reason)
         self.text += "".join(c.texts.get(text_key, ()))
 
 
@@ -155,6 +157,22 @@ class Continuation:
             completion = self._tokens_before + int(u.get("completion_tokens") or 0)
             chunk["usage"] = {**u, "prompt_tokens": prompt, "completion_tokens": completion,
                               "total_tokens": prompt + completion}
+
+
+def closing(ctx: RequestContext, sent: Sent) -> bytes:
+    """The end of a stream whose answer had ended when it broke: the usage chunk (where the
+    client asked for one; the prompt counted as in :meth:`Continuation.rewrite`) and
+    ``[DONE]``."""
+    out = b""
+    if ctx.req.include_usage:
+        prompt = sent.prompt_tokens if sent.prompt_tokens is not None else ctx.req.prompt_tokens
+        chunk = {"id": sent.id, "object": "chat.completion.chunk" if ctx.chat
+                 else "text_completion", "created": sent.created, "model": sent.model,
+                 "choices": [], "usage": {"prompt_tokens": prompt,
+                                          "completion_tokens": sent.tokens,
+                                          "total_tokens": prompt + sent.tokens}}
+        out = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+    return out + DONE
 
 
 def _continue_chat(body: dict[str, Any], text: str) -> None:

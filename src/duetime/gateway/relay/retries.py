@@ -20,7 +20,7 @@ from duetime.gateway.relay.attempt import (
     Passthrough,
     StreamBroken,
 )
-from duetime.gateway.relay.resumption import Continuation, Sent, not_resumable
+from duetime.gateway.relay.resumption import Continuation, Sent, closing, not_resumable
 from duetime.gateway.routing.explain_header import explain_header
 from duetime.gateway.routing.router import Choice, Router
 from duetime.gateway.state.instance import InstanceState
@@ -109,6 +109,10 @@ class Relay:
                 return e.status
             except StreamBroken as e:
                 if not self._continue(r, inst, e):
+                    if r.sent is not None and r.sent.ended:  # (nothing left to continue)
+                        await send({"type": "http.response.body",
+                                    "body": closing(r.first, r.sent)})
+                        return 200
                     return await self._end_broken(r, send, b"" if e.told else e.error)
 
     def _continue(self, r: _Request, inst: InstanceState, e: StreamBroken) -> bool:
@@ -118,8 +122,8 @@ class Relay:
             why = not_resumable(r.first)
         else:
             r.sent.add(e.kept, chat=r.ctx.chat)
-            why = r.sent.why_not or (None if Continuation(r.first, r.sent).room()
-                                     else "the answer reached max_tokens")
+            why = ("the answer had ended" if r.sent.ended else r.sent.why_not or (
+                None if Continuation(r.first, r.sent).room() else "the answer reached max_tokens"))
         r.errors.append(f"{inst.name}: stream broke")
         log.warning("upstream stream broke", extra={"fields": {
             "event": "stream_broken", "id": r.ctx.rid, "instance": inst.name,
@@ -127,7 +131,8 @@ class Relay:
             "error": e.error.decode(errors="replace")[:300],
             **({"not_resumed": why} if why else {})}})
         if why is not None:
-            self.metrics.stream_breaks.labels("not_resumable").inc()
+            ended = r.sent is not None and r.sent.ended
+            self.metrics.stream_breaks.labels("ended" if ended else "not_resumable").inc()
             return False
         r.unplaced = True
         r.continuation = cont = Continuation(r.first, r.sent)
