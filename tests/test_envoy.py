@@ -28,6 +28,7 @@ import pytest
 
 from duetime.gateway import pool_from_dict
 from duetime.service.epp import PickerService
+from test_epp import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "docs" / "envoy" / "envoy-epp.yaml"
@@ -142,7 +143,7 @@ def test_plain_and_streamed_answers_come_through_envoy(tmp_path):
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
                         lines.append(line[6:])
-            ended = await wait_until(lambda: not any(s.flights for s in svc.gateway.instances))
+            ended = await wait_for(lambda: not any(s.flights for s in svc.gateway.instances))
             return plain, comp, streamed, lines, ended
 
     plain, comp, streamed, lines, ended = run(go())
@@ -158,14 +159,6 @@ def test_plain_and_streamed_answers_come_through_envoy(tmp_path):
     assert text == "tok " * 6
     assert ended  # (the response phases ended every attempt: the replicas hold nothing)
 
-
-async def wait_until(cond, timeout: float = 10.0) -> bool:
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
 
 
 def test_bad_input_is_answered_by_the_picker_through_envoy(tmp_path):
@@ -220,7 +213,7 @@ def test_an_instance_killed_mid_run_leaves_the_rotation(tmp_path):
                       for _ in range(4)]
             await svc.instances.emulator_servers["a"].stop(force=True)
             a = next(s for s in svc.gateway.instances if s.name == "a")
-            out = await wait_until(lambda: not a.healthy)
+            out = await wait_for(lambda: not a.healthy)
             after = [await c.post("/v1/chat/completions", json=chat(model="big"))
                      for _ in range(6)]
             return before, out, after

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from test_envoy import behind_envoy, wait_until
+from test_envoy import behind_envoy
+from test_epp import wait_for
 
 from .gateway_pool import pool_config
 from .test_gateway_vllm import GREEDY
@@ -37,7 +38,7 @@ def test_real_vllm_answers_through_envoy_and_the_picker(vllm_pool, tmp_path):
                     if line.startswith("data: "):
                         lines.append(line[6:])
             bad = await c.post("/v1/chat/completions", json={"model": "auto", "messages": []})
-            ended = await wait_until(lambda: not any(s.flights
+            ended = await wait_for(lambda: not any(s.flights
                                                      for s in svc.gateway.instances))
             return plain, named, streamed, lines, bad, ended
 

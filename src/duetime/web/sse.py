@@ -3,7 +3,9 @@ blank lines, ending with ``data: [DONE]``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 from duetime.web.errors import ApiError
 
@@ -59,6 +61,16 @@ def classified(events: list[bytes]) -> Iterator[tuple[bytes, bytes, str]]:
         data = payload(ev)
         if data is not None:
             yield ev, data, event_kind(data)
+
+
+def chunk_of(data: bytes) -> dict[str, Any]:
+    """An event's data as its JSON object; an undecodable one (or not an object) is empty:
+    whoever counted its tokens by :func:`event_kind` already has."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return {}
+    return chunk if isinstance(chunk, dict) else {}
 
 
 def error_event(message: bytes) -> bytes:

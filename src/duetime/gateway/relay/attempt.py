@@ -40,7 +40,7 @@ from duetime.gateway.relay.resumption import Continuation
 from duetime.gateway.state.lifecycle import Attempt, Lifecycle, Outcome
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.web.asgi import Send, send_json
-from duetime.web.sse import SSE_HEADERS, Kind, classified, split_events
+from duetime.web.sse import SSE_HEADERS, Kind, chunk_of, classified, split_events
 
 log = logging.getLogger("duetime.gateway")
 
@@ -269,7 +269,7 @@ class AttemptRunner:
                 st.complete = True
                 out.append(ev + b"\n\n")
             elif kind == Kind.USAGE:
-                chunk = _decode(data)
+                chunk = chunk_of(data)
                 st.usage = chunk.get("usage") or st.usage
                 if collect:  # (it may carry more: vLLM's system_fingerprint)
                     st.answer.add(chunk)
@@ -285,7 +285,7 @@ class AttemptRunner:
             else:
                 st.tokens += kind == Kind.TOKEN
                 if collect:
-                    st.answer.add(_decode(data))
+                    st.answer.add(chunk_of(data))
                 else:
                     out.append(ev + b"\n\n")
                     if st.kept is not None:
@@ -320,11 +320,3 @@ def _brief(data: bytes, limit: int = 200) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit] + "..."
 
-
-def _decode(data: bytes) -> dict[str, Any]:
-    """An event's JSON object; an undecodable one counts as empty (its tokens were counted)."""
-    try:
-        chunk = json.loads(data)
-    except ValueError:
-        return {}
-    return chunk if isinstance(chunk, dict) else {}

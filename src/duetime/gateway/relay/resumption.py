@@ -30,7 +30,7 @@ from duetime.estimate.base import KeysByBlockSize
 from duetime.gateway.intake.request import RequestContext
 from duetime.gateway.relay.reassembly import Reassembly
 from duetime.web.prefix_keys import prompt_block_keys
-from duetime.web.sse import DONE, Kind, classified
+from duetime.web.sse import DONE, Kind, chunk_of, classified
 
 # request fields whose output a continuation cannot reproduce from text alone
 _INEXACT = ("logprobs", "top_logprobs", "echo", "suffix", "response_format", "guided_json",
@@ -78,7 +78,7 @@ class Sent:
         answer = Reassembly()
         for _, data, kind in classified(events):
             if kind in (Kind.TOKEN, Kind.ROLE):
-                chunk = _decode(data)
+                chunk = chunk_of(data)
                 answer.add(chunk)
                 u = chunk.get("usage")
                 if isinstance(u, dict) and self.prompt_tokens is None:
@@ -139,7 +139,7 @@ class Continuation:
             if kind == Kind.ROLE:
                 continue
             if kind in (Kind.TOKEN, Kind.USAGE):
-                chunk = _decode(data)
+                chunk = chunk_of(data)
                 if chunk:
                     self._as_first(chunk)
                     ev = b"data: " + json.dumps(chunk, separators=(",", ":")).encode()
@@ -188,10 +188,3 @@ def _continue_chat(body: dict[str, Any], text: str) -> None:
     body["continue_final_message"] = True
     body["add_generation_prompt"] = False
 
-
-def _decode(data: bytes) -> dict[str, Any]:
-    try:
-        chunk = json.loads(data)
-    except ValueError:
-        return {}
-    return chunk if isinstance(chunk, dict) else {}
