@@ -2,13 +2,18 @@
 instances (with injected faults where the scenario says), `duetime serve --config` over them,
 and clients here; per scenario, how many requests succeeded and how many were lost.
 
-    python benchmarks/reliability.py [--quick] [--scenarios open,closed,kill,burst,soak,sigterm]
+    python benchmarks/reliability.py [--quick] [--scenarios open,closed,kill,churn,burst,soak,sigterm]
         [--requests 1000] [--rate 100] [--clients 16] [--fail-rate 0.2] [--soak-s 30]
 
 Scenarios: ``open`` (Poisson arrivals at --rate, 20% faults: 5xx, timeouts, disconnects and
 streams broken after three tokens, on every instance), ``closed`` (--clients clients back to
 back, the same faults), ``kill`` (no faults, 64-token answers; one instance killed a third of
-the way and restarted on its port two seconds later), ``burst`` (500 streams at once), ``soak`` (--rate for --soak-s seconds; the gateway's memory
+the way and restarted on its port two seconds later), ``churn`` (--clients clients, 64-token
+answers, no faults, while the pool config file changes every --churn-s seconds, eight times:
+instances added and removed among five emulators, one killed and restarted; as many requests
+as that takes; a line after the table
+says how soon each instance that became ready served, and how many requests sent after an
+instance's drain it still served), ``burst`` (500 streams at once), ``soak`` (--rate for --soak-s seconds; the gateway's memory
 before and after), ``sigterm`` (streams open when the gateway gets SIGTERM: each must finish
 within the drain timeout or end with an error event).
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -76,25 +82,61 @@ async def wait_up(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up within {timeout_s} s")
 
 
+PROFILES = ("qwen3-0.6b", "qwen3-8b", "qwen3-8b", "qwen3-8b", "qwen3-8b")
+
+
 @dataclass
 class Cluster:
-    """Three emulators and a gateway, each its own process."""
+    """Emulators (``size``; the pool config lists the first three) and a gateway, each its
+    own process."""
 
     fail_rate: float = 0.0
     speed: float = 20.0
     drain_timeout_s: float = 5.0
-    ports: list[int] = field(default_factory=lambda: [free_port() for _ in range(3)])
+    size: int = 3
+    ports: list[int] = field(default_factory=list)
     gateway_port: int = field(default_factory=free_port)
     emulators: list[subprocess.Popen | None] = field(default_factory=list)
     gateway: subprocess.Popen | None = None
     tmp: tempfile.TemporaryDirectory | None = None
 
+    def __post_init__(self) -> None:
+        self.ports = self.ports or [free_port() for _ in range(self.size)]
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
+    @property
+    def config(self) -> Path:
+        assert self.tmp is not None
+        return Path(self.tmp.name) / "pool.yaml"
+
+    def pool(self, members: list[int]) -> dict:
+        """The pool config listing the emulators ``members``."""
+        return {
+            "policy": "sfs",
+            "instances": [{"name": f"i{k}", "model": PROFILES[k], "profile": PROFILES[k],
+                           "speed": self.speed, "url": f"http://127.0.0.1:{self.ports[k]}"}
+                          for k in members],
+            # an injected timeout never answers: retried after 1.5 s without a first token
+            "timeouts": {"connect_s": 1.0, "first_token_s": 1.5, "read_s": 10.0},
+            # with 20% independent faults, 6 attempts (the default 5 retries) all fail for
+            # one request in 0.2^6 = 1 in 15,600: a 150-request run lost one about 1% of the
+            # time; 9 attempts make it 1 in 2 million
+            "retries": 8,
+            "health": {"interval_s": 0.25},
+            "discovery": {"watch_s": 0.2},
+        }
+
+    def write_pool(self, members: list[int]) -> None:
+        """Replace the pool config (whole: the gateway never reads half a file)."""
+        tmp = self.config.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.pool(members)))
+        os.replace(tmp, self.config)
+
     def _emulator(self, k: int) -> subprocess.Popen:
-        profile = ("qwen3-0.6b", "qwen3-8b", "qwen3-8b")[k]
+        profile = PROFILES[k]
         cmd = [sys.executable, "-m", "duetime", "emulate", "--profile", profile,
                "--port", str(self.ports[k]), "--speed", str(self.speed), "--seed", str(k),
                "--model-name", profile, "--log-level", "error"]
@@ -105,23 +147,9 @@ class Cluster:
 
     async def start(self) -> Cluster:
         self.tmp = tempfile.TemporaryDirectory()
-        pool = {
-            "policy": "sfs",
-            "instances": [{"name": f"i{k}", "model": ("qwen3-0.6b", "qwen3-8b", "qwen3-8b")[k],
-                           "profile": ("qwen3-0.6b", "qwen3-8b", "qwen3-8b")[k],
-                           "speed": self.speed, "url": f"http://127.0.0.1:{p}"}
-                          for k, p in enumerate(self.ports)],
-            # an injected timeout never answers: retried after 1.5 s without a first token
-            "timeouts": {"connect_s": 1.0, "first_token_s": 1.5, "read_s": 10.0},
-            # with 20% independent faults, 6 attempts (the default 5 retries) all fail for
-            # one request in 0.2^6 = 1 in 15,600: a 150-request run lost one about 1% of the
-            # time; 9 attempts make it 1 in 2 million
-            "retries": 8,
-            "health": {"interval_s": 0.25},
-        }
-        cfg = Path(self.tmp.name) / "pool.yaml"
-        cfg.write_text(json.dumps(pool))
-        self.emulators = [self._emulator(k) for k in range(3)]
+        cfg = self.config
+        self.write_pool([0, 1, 2])
+        self.emulators = [self._emulator(k) for k in range(self.size)]
         for p in self.ports:
             await wait_up(f"http://127.0.0.1:{p}")
         self.gateway = subprocess.Popen(
@@ -170,6 +198,8 @@ class Tally:
     other: int = 0         # anything else (4xx, transport errors)
     continued: float = math.nan  # streams the gateway continued on another instance
     notes: list[str] = field(default_factory=list)
+    # per answer: (wall time sent, wall time its headers came, the instance that served it)
+    served: list[tuple[float, float, str]] = field(default_factory=list)
 
     def row(self, name: str, rss: tuple[float, float], code: int | None) -> str:
         cont = "–" if math.isnan(self.continued) else f"{self.continued:.0f}"
@@ -190,9 +220,12 @@ async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16) 
     """One request; its fate counted."""
     payload, stream = body(k, max_tokens)
     tally.requests += 1
+    sent = time.time()
     try:
         if not stream:
             r = await c.post("/v1/chat/completions", json=payload)
+            if r.status_code == 200:
+                tally.served.append((sent, time.time(), r.headers["x-duetime-instance"]))
             if r.status_code == 200 and r.json()["choices"][0]["message"] is not None:
                 tally.succeeded += 1
             elif r.status_code >= 500 or r.status_code == 429:
@@ -203,6 +236,8 @@ async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16) 
                 tally.notes.append(f"{r.status_code} {r.text[:120]}")
             return
         async with c.stream("POST", "/v1/chat/completions", json=payload) as r:
+            if r.status_code == 200:
+                tally.served.append((sent, time.time(), r.headers["x-duetime-instance"]))
             if r.status_code != 200:
                 await r.aread()
                 if r.status_code >= 500 or r.status_code == 429:
@@ -254,12 +289,16 @@ async def open_loop(url: str, n: int, rate: float, tally: Tally, seed: int = 0,
 
 
 async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None,
-                      max_tokens: int = 16) -> None:
-    counter = iter(range(n))
+                      max_tokens: int = 16, until: asyncio.Event | None = None) -> None:
+    """``n`` requests from ``clients`` clients back to back (``until``: or until it is set,
+    however many that is)."""
+    counter = iter(range(n) if until is None else itertools.count())
     side: list[asyncio.Task] = []
 
     async def worker(c: httpx.AsyncClient) -> None:
         for k in counter:
+            if until is not None and until.is_set():
+                return
             if during is not None and k == n // 3:
                 side.append(asyncio.create_task(during()))
             await one(c, k, tally, max_tokens)
@@ -279,11 +318,69 @@ async def continued_streams(url: str) -> float:
     return 0.0
 
 
+# the churn scenario's pools, in turn (i0 serves qwen3-0.6b throughout; the others qwen3-8b)
+CHURN = ([0, 1, 2, 3], [0, 2, 3], [0, 2, 3, 4], [0, 3, 4], [0, 1, 3, 4], [0, 1, 4],
+         [0, 1, 2, 4], [0, 1, 2])
+
+
+async def churn(cl: Cluster, done: asyncio.Event, every_s: float,
+                changes: dict[tuple[float, str, str], None]) -> None:
+    """Change the pool config every ``every_s`` (each pool of :data:`CHURN` in turn), kill
+    i0 after the third change and restart it 2 s later; then wait ``every_s`` more (the last
+    changes settle) and set ``done``. ``changes``: the gateway's membership changes seen
+    (polled from /duetime/instances)."""
+    async def watch() -> None:
+        async with httpx.AsyncClient(base_url=cl.url, timeout=10.0) as c:
+            while True:
+                body = (await c.get("/duetime/instances")).json()
+                for x in body["membership"]["recent"]:
+                    changes[(x["t"], x["change"], x["instance"])] = None
+                if done.is_set():
+                    return
+                await asyncio.sleep(0.25)
+
+    watcher = asyncio.create_task(watch())
+    for step, members in enumerate(CHURN, 1):
+        await asyncio.sleep(every_s)
+        cl.write_pool(members)
+        if step == 3:
+            cl.kill(0)
+            await asyncio.sleep(2.0)
+            await cl.restart(0)
+    await asyncio.sleep(every_s)
+    done.set()
+    await watcher
+
+
+def churn_report(tally: Tally, changes: dict[tuple[float, str, str], None]) -> str:
+    """How soon each instance that became ready got an answer to send (an upper bound on its
+    first request: the answer's headers come after its first token), and how many requests
+    sent after an instance's drain it served (must be none)."""
+    events = sorted(changes)
+    firsts, late = [], 0
+    for t, change, name in events:
+        if change == "ready":
+            after = [h for sent, h, i in tally.served if i == name and h >= t]
+            firsts.append(min(after) - t if after else math.inf)
+        elif change == "drain":
+            back = [u for u, c, n in events if n == name and c == "join" and u > t]
+            until = min(back, default=math.inf)
+            late += sum(1 for sent, _, i in tally.served if i == name and t < sent < until)
+    counts = {c: sum(1 for _, x, _ in events if x == c) for c in
+              ("join", "ready", "drain", "leave")}
+    f = np.array(firsts)
+    return (f"churn: {counts['join']} joins, {counts['ready']} ready, {counts['drain']} drains, "
+            f"{counts['leave']} leaves; first answer from a ready instance after "
+            f"{np.median(f):.2f} s median, {f.max():.2f} s max; requests sent after a drain "
+            f"and served by the drained instance: {late}" if len(f) else
+            f"churn: no instance became ready ({counts})")
+
+
 async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
     faults = args.fail_rate if name in ("open", "closed") else 0.0
     speed = 2.0 if name == "sigterm" else 20.0
-    cl = await Cluster(fail_rate=faults, speed=speed,
-                       drain_timeout_s=args.drain_timeout).start()
+    cl = await Cluster(fail_rate=faults, speed=speed, drain_timeout_s=args.drain_timeout,
+                       size=5 if name == "churn" else 3).start()
     tally = Tally()
     code = None
     try:
@@ -301,6 +398,17 @@ async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
             # (64-token answers: streams are mid-answer on the instance when it dies)
             await closed_loop(cl.url, args.requests, args.clients, tally,
                               during=kill_and_restart, max_tokens=64)
+        elif name == "churn":
+            done = asyncio.Event()
+            changes: dict[tuple[float, str, str], None] = {}
+            changing = asyncio.create_task(churn(cl, done, args.churn_s, changes))
+            try:
+                await closed_loop(cl.url, args.requests, args.clients, tally, max_tokens=64,
+                                  until=done)
+            finally:
+                done.set()
+                await changing
+            tally.notes.insert(0, churn_report(tally, changes))
         elif name == "burst":
             async with client(cl.url, 600) as c:
                 await asyncio.gather(*(one(c, 2 * k + 1, tally) for k in range(args.burst)))
@@ -325,7 +433,7 @@ async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", default="open,closed,kill,burst,soak,sigterm")
+    ap.add_argument("--scenarios", default="open,closed,kill,churn,burst,soak,sigterm")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--rate", type=float, default=100.0)
     ap.add_argument("--clients", type=int, default=16)
@@ -333,6 +441,8 @@ def main() -> None:
     ap.add_argument("--fail-rate", type=float, default=0.2)
     ap.add_argument("--soak-s", type=float, default=30.0)
     ap.add_argument("--drain-timeout", type=float, default=5.0)
+    ap.add_argument("--churn-s", type=float, default=2.0,
+                    help="churn: the pool config changes this often (default 2 s)")
     ap.add_argument("--quick", action="store_true",
                     help="200 requests, a burst of 100, a 5 s soak")
     args = ap.parse_args()
@@ -345,7 +455,8 @@ def main() -> None:
         row, tally = asyncio.run(scenario(name, args))
         print(row, flush=True)
         for note in tally.notes[:5]:
-            print(f"    {note}", file=sys.stderr)
+            print(f"    {note}", file=sys.stderr if not note.startswith("churn:") else
+                  sys.stdout)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@
 #   chromium      a real browser for the pages' tests (tests/browser: Playwright drives this
 #                 executable headless; Playwright's own browser download is not used), with
 #                 fonts-liberation so that the screenshots have readable text.
+#   dnsmasq       a real DNS server (Debian's dnsmasq-base: the binary, no system service) for
+#                 the DNS groups' tests (tests/test_membership_dns.py starts one on loopback).
 # Does nothing when every one is already on PATH. Needs root (or sudo) only when it installs.
 set -euo pipefail
 
@@ -13,6 +15,7 @@ command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
     need+=(chromium fonts-liberation)
 fi
+command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || need+=(dnsmasq-base)
 if [ ${#need[@]} -eq 0 ]; then
     exit 0
 fi

@@ -62,6 +62,16 @@ class TtftCorrection:
     def reset(self) -> None:
         self._ratios.clear()
 
+    def learn_from(self, other: TtftCorrection) -> None:
+        """Start from what ``other`` learnt (a new replica of the same model on the same
+        hardware is likely off the same way; its own first tokens replace these)."""
+        self._ratios.clear()
+        self._ratios.extend(other.ratios())
+
+    def ratios(self) -> list[float]:
+        """The observed / forecast ratios it learns from, oldest first."""
+        return list(self._ratios)
+
 
 def correction_factor(view: object) -> float:
     """The view's TTFT correction factor (its ``ttft_correction``), 1 where it has none."""

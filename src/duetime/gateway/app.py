@@ -29,7 +29,16 @@ from starlette.routing import BaseRoute, Route
 
 from duetime.engine.warmup import warm_up
 from duetime.gateway.backends import SharedState, open_shared_state
-from duetime.gateway.config import Pool
+from duetime.gateway.changes import (
+    InstanceChanges,
+    check_live,
+    groups,
+    instance_changes,
+    members_of,
+    moved,
+)
+from duetime.gateway.config import ConfigError, Instance, Pool
+from duetime.gateway.dns import DnsLookup, LookupFailed
 from duetime.gateway.intake.admission import Admission, AdmissionQueue
 from duetime.gateway.intake.auth import Auth, KeyMetering
 from duetime.gateway.intake.policies import PolicyBook
@@ -40,6 +49,7 @@ from duetime.gateway.observe.attempt_metrics import AttemptMetrics
 from duetime.gateway.observe.observatory import Observatory
 from duetime.gateway.observe.openapi import openapi_document
 from duetime.gateway.observe.pages import page_routes
+from duetime.gateway.picker.endpoints import endpoint_address
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.relay.attempt import AttemptRunner
 from duetime.gateway.relay.handler import CompletionHandler
@@ -49,6 +59,7 @@ from duetime.gateway.state.health import EjectionBudget
 from duetime.gateway.state.instance import InstanceState
 from duetime.gateway.state.lifecycle import Lifecycle, Subscriber
 from duetime.gateway.state.load import GatewayLoad
+from duetime.gateway.state.membership import Change, Membership, Phase
 from duetime.gateway.state.pollers import Pollers
 from duetime.gateway.upstream import Upstream
 from duetime.policy.registry import LOAD, SNAPSHOT
@@ -76,28 +87,138 @@ class Gateway:
         self.policies = PolicyBook(pool, bindings=self.shared.bindings)
         self.load = GatewayLoad(pool.admission.cpu_window_s)
         self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics)
-        self.instances = self._instances()
-        self.observatory = Observatory([s.name for s in self.instances])
+        self.budget = EjectionBudget(0, pool.health.max_ejected_fraction)
+        # the instances as configured (each member's: its own may have adopted what it
+        # reported since), and each DNS group's addresses as last looked up
+        self.configured: dict[str, Instance] = {}
+        self.addresses: dict[str, list[str]] = {}
+        self.membership = Membership(self._instances(members_of(pool, {})), self.metrics)
+        self.budget.size = len(self.membership)
+        self.observatory = Observatory([s.name for s in self.membership])
         self.lifecycle = Lifecycle(self._subscribers())
-        self.intake = Intake(pool, self.instances, self.auth, self.policies)
+        self.membership.listeners += [self._on_change, self.observatory.on_membership]
+        self.intake = Intake(pool, self.membership, self.auth, self.policies)
         self.router = Router(pool, self.lifecycle, Admission(self.queue, self.metrics),
                              self.metrics, self.observatory.wants_explanation)
         self.upstream: Upstream | None = None
         self.relay = Relay(pool, self.router, AttemptRunner(pool, self._http, self.lifecycle),
                            self.metrics)
         needs, src = self.policies.default.consumes, pool.state.source
-        self.pollers = Pollers(pool, self.instances, self._http,
+        self.pollers = Pollers(pool, self.membership, self._http,
                                snapshots=SNAPSHOT in needs and src in ("auto", "published"),
                                metrics=LOAD in needs or src == "metrics")
         self.handler = CompletionHandler(self.intake, self.relay, self.pollers, self.metrics)
         self.draining = asyncio.Event()  # set when the server stops: event streams end
+        self.dns = DnsLookup(pool.discovery)
+        self._dns_task: asyncio.Task[None] | None = None
 
-    def _instances(self) -> list[InstanceState]:
-        pool, now = self.pool, time.monotonic()
-        budget = EjectionBudget(len(pool.instances), pool.health.max_ejected_fraction)
-        load = self.load if pool.admission.gateway_load else None
-        return [InstanceState(i, pool, self.metrics, self.shared.flights, now, budget=budget,
-                              load=load, peers=self.shared.peers) for i in pool.instances]
+    @property
+    def instances(self) -> list[InstanceState]:
+        """The pool's members now (joining, serving and draining: :attr:`membership`)."""
+        return list(self.membership)
+
+    def _instances(self, instances: list[Instance]) -> list[InstanceState]:
+        now = time.monotonic()
+        load = self.load if self.pool.admission.gateway_load else None
+        out = []
+        for i in instances:
+            self.configured[i.name] = i
+            out.append(InstanceState(i, self.pool, self.metrics, self.shared.flights, now,
+                                     budget=self.budget, load=load, peers=self.shared.peers))
+        return out
+
+    # -- membership -------------------------------------------------------------------------------
+
+    def apply(self, pool: Pool, why: str = "config") -> InstanceChanges:
+        """A new config of the pool, applied while serving (:mod:`duetime.gateway.changes`):
+        its instances join, drain or change; raises ConfigError (changing nothing) if it
+        changes what needs a restart."""
+        check_live(self.pool, pool)
+        if missing := [i.name for i in pool.instances if i.url is None]:
+            raise ConfigError(f"{pool.source}: instances without a URL: {missing}")
+        self.pool = pool
+        self.intake.reconfigure(pool)
+        changes = self._sync(members_of(pool, self.addresses), why)
+        if self.started():
+            self._watch_dns()
+        return changes
+
+    def _sync(self, wanted: list[Instance], why: str) -> InstanceChanges:
+        """Make the members ``wanted``: new ones join, missing ones drain, changed ones are
+        reconfigured (one that moved, or was draining, joins again: out of rotation until a
+        probe passes)."""
+        live = [self.configured[s.name] for s in self.membership
+                if s.phase is not Phase.DRAINING]
+        changes = instance_changes(live, wanted)
+        for i in wanted:
+            s = self.membership.get(i.name)
+            if s is None:
+                (s,) = self._instances([i])
+                sibling = next((o for o in self.membership.serving if o.model == i.model), None)
+                if sibling is not None:
+                    s.ttft_correction.learn_from(sibling.ttft_correction)
+                self.membership.join(s, why)
+                if s.events is not None and self.started():
+                    s.events.start()
+                continue
+            old = self.configured[i.name]
+            if old == i and s.phase is not Phase.DRAINING:
+                continue
+            self.configured[i.name] = i
+            had_events = s.events
+            s.reconfigure(i)
+            if s.events is not had_events and s.events is not None and self.started():
+                s.events.start()
+            self.membership.updated(s, why, rejoin=moved(old, i) or s.phase is Phase.DRAINING)
+        names = {i.name for i in wanted}
+        for s in self.membership:
+            if s.name not in names:
+                self.membership.drain(s, why)
+        return changes
+
+    def _on_change(self, c: Change, s: InstanceState) -> None:
+        """The ejection budget counts the members not draining; one that left is dropped."""
+        self.budget.size = sum(m.phase is not Phase.DRAINING for m in self.membership)
+        if c.change == "leave":
+            self.configured.pop(s.name, None)
+            self.budget.ejected.discard(s.name)
+            self.lifecycle.forget(s)
+            with contextlib.suppress(KeyError):  # (its series end with it)
+                self.metrics.healthy.remove(s.name)
+            if s.events is not None:
+                s.events.close()
+
+    async def resolve_groups(self) -> bool:
+        """Look up the pool's DNS groups once; their members follow. Returns whether any
+        group's addresses changed."""
+        changed = False
+        for g in groups(self.pool):
+            host, port = endpoint_address(g.url or "")
+            try:
+                found = await self.dns.addresses(host, port)
+            except LookupFailed as e:
+                log.warning("DNS group not looked up: members kept", extra={"fields": {
+                    "event": "dns_failed", "group": g.name, "error": str(e)}})
+                continue
+            if self.addresses.get(g.name) != found:
+                self.addresses[g.name] = found
+                changed = True
+        live = {g.name for g in groups(self.pool)}
+        for name in [n for n in self.addresses if n not in live]:
+            del self.addresses[name]
+            changed = True
+        if changed:
+            self._sync(members_of(self.pool, self.addresses), "dns")
+        return changed
+
+    def _watch_dns(self) -> None:
+        if groups(self.pool) and (self._dns_task is None or self._dns_task.done()):
+            self._dns_task = asyncio.get_running_loop().create_task(self._dns_loop())
+
+    async def _dns_loop(self) -> None:
+        while groups(self.pool):
+            await asyncio.sleep(self.pool.discovery.dns_interval_s)
+            await self.resolve_groups()
 
     def _subscribers(self) -> list[Subscriber]:
         """The pool-wide lifecycle subscribers, in order (after each instance's own: its
@@ -125,6 +246,8 @@ class Gateway:
         for s in self.instances:
             if s.events is not None:
                 s.events.start()
+        await self.resolve_groups()  # (their members join: probed before they get requests)
+        self._watch_dns()
 
     def drain(self) -> None:
         """The server is stopping: the dashboard's event streams end (an endless stream would
@@ -133,6 +256,11 @@ class Gateway:
 
     async def close(self) -> None:
         self.drain()
+        if self._dns_task is not None:
+            self._dns_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._dns_task
+            self._dns_task = None
         await self.pollers.stop()
         await self.shared.close()
         for s in self.instances:

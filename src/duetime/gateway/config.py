@@ -4,10 +4,12 @@ URL``)."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -86,6 +88,9 @@ class _InstanceIn(_Strict):
     request_overhead_ms: float = Field(0.0, ge=0, le=60_000)
     # an emulated instance started this many times (name.0, name.1, ...; seeds seed, seed+1..)
     replicas: int = Field(1, ge=1, le=1000)
+    # dns: the URL's host is a name whose addresses are the replicas (a headless Service),
+    # looked up every discovery.dns_interval_s: one member per address (name@address)
+    discover: Literal["none", "dns"] = "none"
 
     @field_validator("url")
     @classmethod
@@ -190,6 +195,44 @@ class AdmissionSpec(_Strict):
     cpu_window_s: float = Field(0.25, gt=0, le=600)  # its measuring window
 
 
+class DiscoverySpec(_Strict):
+    """``discovery:`` how the pool follows changes while serving (docs/gateway.md,
+    "Membership"): its config file re-read when it changes, DNS groups looked up again."""
+
+    # the pool config file is checked for changes this often (0: only on SIGHUP)
+    watch_s: float = Field(1.0, ge=0, le=3600)
+    dns_interval_s: float = Field(5.0, gt=0, le=3600)  # DNS groups are looked up this often
+    # the DNS servers to ask, HOST or HOST:PORT (none: the system's resolver)
+    dns_servers: list[str] = []
+    dns_timeout_s: float = Field(2.0, gt=0, le=60)
+
+    @field_validator("dns_servers")
+    @classmethod
+    def _servers(cls, v: list[str]) -> list[str]:
+        for server in v:
+            dns_server_address(server)
+        return v
+
+
+def dns_server_address(server: str) -> tuple[str, int]:
+    """``HOST``, ``HOST:PORT`` or ``[IPv6]:PORT`` as (IP address, port; 53 by default);
+    ValueError if the host is not an IP address or the port is not one."""
+    host, port = server, "53"
+    if server.startswith("["):
+        host, _, rest = server[1:].partition("]")
+        port = rest.removeprefix(":") or "53"
+    elif server.count(":") == 1:
+        host, port = server.split(":")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"a DNS server is an IP address (HOST, HOST:PORT or [IPv6]:PORT), "
+                         f"got {server!r}") from None
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"bad port in DNS server {server!r}")
+    return host, int(port)
+
+
 class PoolSpec(_Strict):
     instances: list[_InstanceIn] = Field(min_length=1)
     policy: str | dict[str, Any] = "sfs"
@@ -214,6 +257,7 @@ class PoolSpec(_Strict):
     admission: AdmissionSpec = AdmissionSpec()
     auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.keys)
     limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.web.limits)
+    discovery: DiscoverySpec = DiscoverySpec()  # membership while serving
 
 
 
@@ -234,6 +278,7 @@ class Instance:
     spec: InstanceSpec
     snapshot: str
     kv_events: KvEventsSpec | None = None  # where it publishes vLLM's KV events, if it does
+    discover: str = "none"  # "dns": a group, one member per address of its URL's host
 
     @property
     def batch_time(self) -> BatchTimeModel:
@@ -283,6 +328,7 @@ class Pool:
     chat_template: str | None = None  # a chat template file overriding the folder's, if any
     auth: AuthConfig | None = None  # API keys and admin keys, if configured
     limits: LimitsSpec = DEFAULT_LIMITS  # protocol limits of the gateway's server
+    discovery: DiscoverySpec = field(default_factory=DiscoverySpec)
 
     @property
     def models(self) -> list[str]:
@@ -392,7 +438,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
-                chat_template=chat_template, auth=auth, limits=spec.limits)
+                chat_template=chat_template, auth=auth, limits=spec.limits,
+                discovery=spec.discovery)
 
 
 def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[Instance]:
@@ -431,10 +478,33 @@ def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[I
                        "the quality workload); give {prompt: USD/Mtok, output: USD/Mtok}")
         ispec = replace(ispec.scaled(speed).priced(pp, po),
                         request_overhead_s=s.request_overhead_ms / 1000.0)
+        if s.discover == "dns":
+            _check_dns_group(s, w, fail)
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,
                               None if s.emulate is None else s.emulate.model_dump(), profile,
-                              ispec, s.snapshot, s.kv_events))
+                              ispec, s.snapshot, s.kv_events, s.discover))
     return insts
+
+
+def _check_dns_group(s: _InstanceIn, where: str, fail: Fail) -> None:
+    """A DNS group names its replicas by a host name in its URL (its members are named
+    ``name@address``: the name may not have an ``@``)."""
+    if s.url is None:
+        raise fail(f"{where}.discover", "dns needs a url whose host is a DNS name")
+    host = urlsplit(s.url).hostname or ""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        raise fail(f"{where}.discover", f"dns needs a host name in the url, not the address "
+                   f"{host!r}")
+    if "@" in s.name:
+        raise fail(f"{where}.name", "a DNS group's name may not contain '@' (its members are "
+                   "named NAME@ADDRESS)")
+    if s.kv_events is not None:
+        raise fail(f"{where}.kv_events", "not for a DNS group (each replica publishes its own "
+                   "events: list the replicas one by one)")
 
 
 def _quality_table(q: QualitySpec, workload: Any, models: list[str],

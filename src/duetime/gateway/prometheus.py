@@ -90,6 +90,16 @@ class GatewayMetrics:
         self.ejections_refused = Counter(
             "duetime_ejections_refused", "Ejections not made because the pool's budget "
             "(health.max_ejected_fraction) was spent.", ["instance"], registry=r)
+        self.membership = Counter(
+            "duetime_membership_changes", "Changes of the pool's membership while serving: "
+            "join (an instance added, out of rotation), ready (its first health probe passed: "
+            "in rotation), update (its URL or spec changed), drain (removed: no new requests), "
+            "leave (drained: its state dropped).", ["change"], registry=r)
+        self.config_reloads = Counter(
+            "duetime_config_reloads", "Pool config files read while serving: applied, or "
+            "refused (the running pool kept).", ["outcome"], registry=r)
+        self.members = Gauge("duetime_instances", "The pool's instances by phase (joining, "
+                             "serving, draining).", ["phase"], registry=r)
 
     def _admission_and_tokens(self, r: CollectorRegistry) -> None:
         self.queued = Gauge("duetime_admission_queued",

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from duetime.argtypes import key_value, port, positive_float, positive_int
@@ -59,6 +60,23 @@ def with_cli_options(pool: Pool, args: argparse.Namespace, error: type[Exception
     return pool
 
 
+def config_watch(args: argparse.Namespace, pool: Pool, gateway: Any,
+                 reload: Callable[[Pool, Any], Awaitable[Any]]) -> Any:
+    """The watch of ``--config`` (``duetime serve`` and ``duetime epp``): the file re-read,
+    with the command line's options applied again, when it changes and on SIGHUP
+    (:mod:`duetime.service.config_watch`); started."""
+    from duetime.service import ConfigError, load_pool
+    from duetime.service.config_watch import ConfigWatch
+
+    def load() -> Pool:
+        return with_cli_options(load_pool(args.config), args, ConfigError)
+
+    watch = ConfigWatch(args.config, load, lambda p: reload(p, gateway),
+                        watch_s=pool.discovery.watch_s, metrics=gateway.metrics)
+    watch.start()
+    return watch
+
+
 async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.service import ConfigError, Service, demo_pool, load_pool
     from duetime.web.server import ServeError, shutdown_signals
@@ -85,9 +103,13 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         assert service.gateway is not None
         if (warning := service.gateway.auth.warning()) is not None:
             print(f"duetime serve: warning: {warning}", file=sys.stderr, flush=True)
+        watch = config_watch(args, service.pool, service.gateway, service.reload) \
+            if args.config else None
         await stop.wait()
         log.info("shutting down: draining in-flight requests (Ctrl-C again to force)",
                  extra={"fields": {"event": "shutdown"}})
+        if watch is not None:
+            await watch.stop()
         cut = await service.stop()
     if cut:
         log.error("drain timeout: requests cut", extra={"fields": {

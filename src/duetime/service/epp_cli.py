@@ -16,7 +16,7 @@ GRACE_S = 5.0  # open Envoy streams get this long to finish on SIGTERM
 
 async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.service import ConfigError, load_pool
-    from duetime.service.cli import with_cli_options
+    from duetime.service.cli import config_watch, with_cli_options
     from duetime.service.epp import PickerService
     from duetime.web.server import ServeError, shutdown_signals
 
@@ -55,7 +55,9 @@ async def _epp(args: argparse.Namespace, error: type[Exception]) -> int:
                   f"{svc.picker.endpoints.by_name.get(inst.name, '(unresolved)')}", flush=True)
         if svc.metrics_server is not None:
             print(f"  metrics: {svc.metrics_server.url}/metrics", flush=True)
+        watch = config_watch(args, svc.pool, svc.gateway, svc.instances.reload)
         await stop.wait()
+        await watch.stop()
         await svc.stop(GRACE_S)
     print("duetime epp: stopped", flush=True)
     return 0

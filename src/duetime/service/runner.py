@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import secrets
 from dataclasses import replace
 
 from duetime.emulator import Emulator, create_app
+from duetime.emulator.options import EmulatorOptions
 from duetime.engine.profiles import load_profile
 from duetime.gateway.app import Gateway
+from duetime.gateway.changes import InstanceChanges, check_live
 from duetime.gateway.config import Pool
+from duetime.gateway.state.instance import InstanceState
+from duetime.gateway.state.membership import Change
 from duetime.service.demo import demo_routes
 from duetime.service.pool import embedded_options
 from duetime.web.server import AppServer, bind
@@ -40,6 +46,7 @@ class Service:
         self.admin_tokens: dict[str, str] = {}
         self.gateway: Gateway | None = None
         self.server: AppServer | None = None
+        self._stopping: set[asyncio.Task[None]] = set()  # emulators of instances that left
 
     @property
     def url(self) -> str:
@@ -67,10 +74,19 @@ class Service:
         """Start the pool's emulated instances on loopback and fill in their URLs (the pool
         with them is ``self.pool``, returned; ``duetime epp`` starts only these). On failure
         the caller stops what started (:meth:`stop`)."""
+        self.pool = await self._started(self.pool, self.options)
+        return self.pool
+
+    async def _started(self, pool: Pool, options: dict[str, EmulatorOptions]) -> Pool:
+        """``pool`` with its emulated instances' URLs: those running already keep theirs,
+        the others are started."""
         urls = {}
-        for inst in self.pool.instances:
-            opts = self.options.get(inst.name)
+        for inst in pool.instances:
+            opts = options.get(inst.name)
             if opts is None:
+                continue
+            if inst.name in self.emulator_servers:
+                urls[inst.name] = self.emulator_servers[inst.name].url
                 continue
             # the profile's own timing (the emulator applies its speed) with the
             # instance's limits (its ``config:`` overrides included)
@@ -83,8 +99,39 @@ class Service:
             self.emulators[inst.name] = emu
             self.emulator_servers[inst.name] = server
             urls[inst.name] = server.url
-        self.pool = self.pool.with_urls(urls)
-        return self.pool
+        return pool.with_urls(urls)
+
+    async def reload(self, pool: Pool, gateway: Gateway) -> InstanceChanges:
+        """Apply a new config of the pool to the running ``gateway`` (:meth:`Gateway.apply`),
+        starting the new emulated instances first; an emulator whose instance left is stopped
+        then (:meth:`_on_change`). Raises ConfigError, having changed nothing the gateway
+        serves, if the new config cannot apply while serving."""
+        check_live(self.pool, pool)
+        options = embedded_options(pool)
+        started = await self._started(pool, options)
+        if self._on_change not in gateway.membership.listeners:
+            gateway.membership.listeners.append(self._on_change)
+        changes = gateway.apply(started)
+        self.pool, self.options = started, options
+        return changes
+
+    def _on_change(self, c: Change, s: InstanceState) -> None:
+        """An embedded instance that left the pool is stopped (its requests ended)."""
+        if c.change != "leave" or s.name in self.options:
+            return
+        server = self.emulator_servers.pop(s.name, None)
+        emu = self.emulators.pop(s.name, None)
+        self.admin_tokens.pop(s.name, None)
+        if server is not None:
+            task = asyncio.get_running_loop().create_task(self._stop_one(server, emu))
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+
+    @staticmethod
+    async def _stop_one(server: AppServer, emu: Emulator | None) -> None:
+        await server.stop(force=True)
+        if emu is not None:
+            await emu.close()
 
     async def stop(self, *, force: bool = False) -> int:
         """Returns how many requests were cut at the drain timeout (told so with an error)."""
@@ -104,6 +151,9 @@ class Service:
             s.force()
 
     async def _stop_emulators(self, *, force: bool) -> None:
+        for task in list(self._stopping):
+            with contextlib.suppress(Exception):
+                await task
         for server in self.emulator_servers.values():
             await server.stop(force=force)
         for emu in self.emulators.values():

@@ -35,6 +35,7 @@ from duetime.gateway.intake.policies import PolicyBook
 from duetime.gateway.intake.predictions import PerModel, Predictions
 from duetime.gateway.keys import ApiKey
 from duetime.gateway.state.instance import InstanceState
+from duetime.gateway.state.membership import Membership
 from duetime.policy.base import Policy
 from duetime.web.asgi import Scope
 from duetime.web.errors import ApiError
@@ -87,21 +88,34 @@ class RequestContext:
 class Intake:
     """The intake of one gateway: its pool, instances, key checks, policies and predictors."""
 
-    def __init__(self, pool: Pool, instances: list[InstanceState], auth: Auth,
+    def __init__(self, pool: Pool, members: Membership, auth: Auth,
                  policies: PolicyBook) -> None:
         self.pool = pool
-        self.instances = instances
+        self.members = members
         self.auth = auth
         self.policies = policies
         self.predictions = Predictions(pool)
-        self.by_model: dict[str, list[InstanceState]] = {}
-        for s in instances:
-            self.by_model.setdefault(s.model, []).append(s)
         self.tokenizer: PromptTokenizer | None = None
         if pool.tokenizer is not None:
             self.tokenizer = PromptTokenizer(pool.tokenizer, pool.chat_template)
         self._ids = itertools.count(1)
         self._prefix = secrets.token_hex(3)
+
+    @property
+    def instances(self) -> list[InstanceState]:
+        """The serving instances (the membership's, as of now)."""
+        return self.members.serving
+
+    @property
+    def by_model(self) -> dict[str, list[InstanceState]]:
+        """Each model's serving instances."""
+        return self.members.by_model
+
+    def reconfigure(self, pool: Pool) -> None:
+        """The pool's config changed (its instances and their models' quality: the fields
+        that apply while serving, :mod:`duetime.gateway.changes`)."""
+        self.pool = pool
+        self.predictions = Predictions(pool)
 
     async def take(self, raw: bytes, scope: Scope, *, arrival: float, chat: bool | None,
                    keys: KeyCheck, allowed: Allowed | None = None) -> RequestContext:
@@ -173,6 +187,10 @@ class Intake:
                                f"{', '.join([*self.pool.aliases, *self.by_model])}",
                                param="model", code="model_not_found")
             insts = found
+        if not insts:  # (its instances are joining or draining)
+            what = "any model" if model is None or model in self.pool.aliases else \
+                f"model `{model}`"
+            raise ApiError(503, f"no healthy instance serves {what}", code="no_healthy_instance")
         fit = [s for s in insts if s.instance.config.refusal(prompt_tokens, max_tokens) is None]
         if not fit:
             big = max(insts, key=lambda s: (s.instance.config.kv_capacity_tokens,

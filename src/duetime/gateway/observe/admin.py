@@ -50,7 +50,7 @@ def admin_routes(gw: GatewayView) -> list[Route]:
     async def health(request: Request) -> Response:
         # in rotation and answering its probes (the ejection budget keeps some instance in
         # rotation however it fails: a pool whose every instance fails its probe is down)
-        n = sum(s.healthy and s.health.probe_ok for s in gw.instances)
+        n = sum(s.serving and s.healthy and s.health.probe_ok for s in gw.instances)
         return JSONResponse({"status": "ok" if n else "unavailable",
                              "healthy_instances": n, "instances": len(gw.instances)},
                             status_code=200 if n else 503)
@@ -67,7 +67,7 @@ def admin_routes(gw: GatewayView) -> list[Route]:
             described = [{**d, "url": None, "last_error": d["last_error"] and "(hidden)"}
                          for d in described]
         return JSONResponse({"policy": gw.pool.policy, "store": gw.describe_store(),
-                             "instances": described})
+                             "membership": gw.membership.describe(), "instances": described})
 
     async def dry_run(request: Request) -> Response:
         """``POST /duetime/route``: a chat or text completion's body and headers, routed

@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
+from duetime.gateway.state.instance import InstanceState
 from duetime.gateway.state.lifecycle import Attempt, Subscriber
+from duetime.gateway.state.membership import Change
 
 MINUTE_S = 60.0
 
@@ -135,6 +137,15 @@ class Observatory(Subscriber):
         # per instance: its first tokens of the last minute
         self.minutes: dict[str, Minute] = {n: Minute() for n in instances}
         self._last_explained = -1e9
+
+    def on_membership(self, c: Change, s: InstanceState) -> None:
+        """A member joined (its series start) or left (its series end)."""
+        if c.change == "join" and s.name not in self.minutes:
+            self.instances.append(s.name)
+            self.minutes[s.name] = Minute()
+        elif c.change == "leave" and s.name in self.minutes:
+            self.instances.remove(s.name)
+            del self.minutes[s.name]
 
     def wants_explanation(self, now: float) -> bool:
         """Whether the decision made ``now`` should be explained for the dashboard."""

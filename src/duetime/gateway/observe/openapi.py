@@ -184,9 +184,12 @@ PATHS: dict[str, dict[str, Any]] = {
         "200": _ok("the metrics in Prometheus' text format", {"type": "string"},
                    "text/plain")}),
     "/duetime/instances": _get("each instance's live state", {
-        "200": _ok("the policy and the instances", {"type": "object", "properties": {
-            "policy": {"type": "string"},
-            "instances": {"type": "array", "items": {"type": "object"}}}})}),
+        "200": _ok("the policy, the membership and the instances", {
+            "type": "object", "properties": {
+                "policy": {"type": "string"},
+                "membership": {"type": "object", "description": "members by phase (joining, "
+                               "serving, draining) and the latest joins, drains and leaves"},
+                "instances": {"type": "array", "items": {"type": "object"}}}})}),
     "/duetime/route": {"post": {
         "summary": "a dry run: the choice the policy would make for this chat or text "
                    "completion (chat if the body has messages), explained; nothing is sent",

@@ -13,6 +13,7 @@ from duetime.gateway.observe.observatory import Observatory
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.routing.router import Router
 from duetime.gateway.state.instance import InstanceState
+from duetime.gateway.state.membership import Membership
 
 
 class GatewayView(Protocol):
@@ -20,6 +21,7 @@ class GatewayView(Protocol):
 
     pool: Pool
     instances: list[InstanceState]
+    membership: Membership
     metrics: GatewayMetrics
     auth: Auth
     intake: Intake

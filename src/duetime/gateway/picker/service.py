@@ -23,6 +23,7 @@ from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.routing.router import Router
 from duetime.gateway.state.instance import InstanceState
 from duetime.gateway.state.lifecycle import Lifecycle
+from duetime.gateway.state.membership import Membership
 from duetime.gateway.state.pollers import Pollers
 
 log = logging.getLogger("duetime.gateway")
@@ -35,6 +36,7 @@ class Host(Protocol):
     provides it: the same live state, intake, router and lifecycle as ``duetime serve``)."""
 
     instances: list[InstanceState]
+    membership: Membership
     intake: Intake
     router: Router
     lifecycle: Lifecycle
@@ -55,7 +57,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
     def __init__(self, host: Host, *, fallbacks: int = 0) -> None:
         self.host = host
         self.fallbacks = fallbacks
-        self.endpoints = Endpoints(host.instances)
+        self.endpoints = Endpoints(host.membership)
         self._rr = itertools.count()
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -77,6 +77,7 @@ class Router:
         again (a failed attempt may pass on a retry: faults are per request); with none in
         rotation, the least bad instance (``health.fail_open``; see
         :meth:`HealthTracker.badness`), untried first, or none."""
+        insts = [s for s in insts if s.serving]  # (not joining or draining since)
         healthy = [s for s in insts if s.healthy]
         untried = [s for s in healthy if s.name not in tried]
         if untried or healthy:
@@ -145,7 +146,7 @@ class Router:
         (:meth:`Policy.preview`: nothing dispatched, no later choice changed)."""
         served = choice.inst.instance.served_model
         rest = [s for s in ctx.candidates if s is not choice.inst and s.healthy
-                and s.instance.served_model == served]
+                and s.serving and s.instance.served_model == served]
         out: list[InstanceState] = []
         now = time.monotonic()
         while rest and len(out) < k:

@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
+from duetime.engine.config import SchedulerConfig
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
 from duetime.estimate.correction import TtftCorrection
@@ -38,6 +39,7 @@ from duetime.gateway.state.health import EjectionBudget, HealthTracker
 from duetime.gateway.state.ledger import Ledger
 from duetime.gateway.state.lifecycle import Attempt, Subscriber
 from duetime.gateway.state.load import GatewayLoad
+from duetime.gateway.state.membership import Phase
 from duetime.gateway.state.peers import NO_PEERS, PeerFeed
 from duetime.gateway.state.published import PublishedSnapshots
 from duetime.gateway.state.scraped import ScrapedLoad
@@ -73,6 +75,7 @@ class InstanceState:
         none: nothing added). ``peers``: the other gateway replicas (their flights join the
         shadow replica: :meth:`on_peer_dispatch`; none: a gateway alone)."""
         self.load = load
+        self.phase = Phase.SERVING  # (its membership sets it: duetime.gateway.state.membership)
         now = time.monotonic() if now is None else now
         self.instance = instance
         self.name = instance.name
@@ -131,18 +134,45 @@ class InstanceState:
             return False
         log.info("instance cache config adopted", extra={"fields": {
             "instance": self.name, **new}})
+        old = self.instance.config
         self.instance = dataclasses.replace(
             self.instance, spec=dataclasses.replace(self.instance.spec, config=config))
+        self._rebuild(old)
+        return True
+
+    def _rebuild(self, old: SchedulerConfig) -> None:
+        """A new shadow replica of the instance as configured now (it was configured
+        ``old``), with the requests in flight joining it again."""
+        config = self.instance.config
+        rehash = old.block_size != config.block_size or not config.enable_prefix_caching
         now = time.monotonic()
         self._replica(now)
         for f in self.all_flights():  # (in dispatch order, this replica's first)
             f.shadowed = False
-            if "block_size" in new or not config.enable_prefix_caching:
+            if rehash:
                 f.hashes = None  # (keyed at the old block size)
             self.shadow.add(f, now)
             if f.first_token is not None:
                 self.shadow.observe_first(f, now)
-        return True
+
+    def reconfigure(self, instance: Instance) -> None:
+        """The pool's config changed this instance (same name and model): its URL, timing,
+        limits, prices, overhead or state sources now are ``instance``'s. The replica is
+        rebuilt with the requests in flight (they finish where they were sent); its health,
+        ledger and TTFT correction are kept. A new KV-event endpoint's subscription is made
+        here and started by the caller (:attr:`events`)."""
+        old = self.instance
+        self.instance = instance
+        self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
+                                   instance.price_output, self)
+        if instance.snapshot != old.snapshot or instance.url != old.url:
+            self.published = PublishedSnapshots(None if instance.snapshot == "auto" else False)
+        if instance.kv_events != old.kv_events:
+            if self.events is not None:
+                self.events.close()
+            self.events = (EventCache(instance.name, instance.kv_events)
+                           if instance.kv_events is not None else None)
+        self._rebuild(old.config)
 
     @property
     def url(self) -> str:
@@ -152,6 +182,12 @@ class InstanceState:
     @property
     def healthy(self) -> bool:
         return self.health.healthy
+
+    @property
+    def serving(self) -> bool:
+        """Whether it is a serving member (not joining, not draining): only those may get
+        requests (:meth:`~duetime.gateway.routing.router.Router.rotation`)."""
+        return self.phase is Phase.SERVING
 
     @property
     def flights(self) -> Mapping[str, Flight]:
@@ -304,7 +340,8 @@ class InstanceState:
         snap = self.snapshot()
         h = self.health
         return {"name": self.name, "model": self.model, "url": self.instance.url,
-                "healthy": h.healthy, "last_error": h.last_error or None,
+                "phase": self.phase.value, "healthy": h.healthy,
+                "last_error": h.last_error or None,
                 "in_flight": len(self.ledger),
                 "in_flight_all": len(self.ledger) + len(self.remote_flights),
                 "state_source": self.source(),

@@ -105,6 +105,12 @@ class Lifecycle:
         self._plans: dict[int, tuple[InstanceState, Sequence[Subscriber],
                                      dict[str, list[Handler]]]] = {}
 
+    def forget(self, inst: InstanceState) -> None:
+        """The instance left the pool: its plan is dropped."""
+        plan = self._plans.get(id(inst))
+        if plan is not None and plan[0] is inst:
+            del self._plans[id(inst)]
+
     def _handlers(self, a: Attempt, event: str) -> list[Handler]:
         own = a.inst.subscribers
         plan = self._plans.get(id(a.inst))

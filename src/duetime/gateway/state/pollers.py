@@ -7,6 +7,11 @@ after ``IDLE_AFTER_S`` without any (no decision needs fresh state then, and a qu
 should stay quiet); a request ends an idle wait at once. An instance that answers 404 is not
 polled again. Every ``health.interval_s`` each instance's ``/health`` is probed. Once, at
 start, each instance's KV cache config is read from ``/metrics`` (``vllm:cache_config_info``).
+
+The pollers follow the pool's membership (:mod:`~duetime.gateway.state.membership`): a
+joining instance is probed every :data:`JOIN_PROBE_S` until its ``/health`` answers 200 (then
+it is ready: in rotation), and polled from then on; a draining one is polled until its last
+request in flight ends, when it leaves; an instance whose address changed is polled afresh.
 """
 
 from __future__ import annotations
@@ -22,45 +27,86 @@ from collections.abc import Callable
 from duetime.engine.snapshot import Snapshot, SnapshotError
 from duetime.gateway.config import Pool
 from duetime.gateway.state.instance import InstanceState
+from duetime.gateway.state.membership import Change, Membership, Phase
 from duetime.gateway.upstream import Upstream, UpstreamError
 from duetime.web.cache_info import cache_config_info
 
 log = logging.getLogger("duetime.gateway")
 
 IDLE_AFTER_S = 2.0  # no request for this long: poll instances at the idle interval
+JOIN_PROBE_S = 0.1  # a joining instance's /health is probed this often until it passes
+DRAIN_CHECK_S = 0.05  # a draining instance leaves within this long of its last request's end
 
 
 class Pollers:
     """The polling tasks of one gateway (``upstream()`` gives its started HTTP client)."""
 
-    def __init__(self, pool: Pool, instances: list[InstanceState],
+    def __init__(self, pool: Pool, members: Membership,
                  upstream: Callable[[], Upstream], *, snapshots: bool, metrics: bool) -> None:
         self.pool = pool
-        self.instances = instances
+        self.members = members
         self._upstream = upstream
         self.snapshots = snapshots
         self.metrics = metrics
         self._tasks: list[asyncio.Task[None]] = []
+        self._per: dict[str, list[asyncio.Task[None]]] = {}  # each member's own tasks
+        self._started = False
         self._last_request = -math.inf
         self._active = asyncio.Event()  # set by the first request after an idle spell
+        members.listeners.append(self._on_change)
 
     def start(self) -> None:
+        self._started = True
+        for s in self.members:
+            self._add(s)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._health_loop()))
+
+    def _add(self, s: InstanceState) -> None:
+        """The member's tasks: its polls and cache config read (once serving), its join
+        probes (while joining) or its drain watch (while draining)."""
         loop = asyncio.get_running_loop()
-        for s in self.instances:
-            if self.snapshots and s.published.publishes is not False:
-                self._tasks.append(loop.create_task(self._poll(s, "/snapshot")))
-            if self.metrics:
-                self._tasks.append(loop.create_task(self._poll(s, "/metrics")))
-            self._tasks.append(loop.create_task(self._cache_config(s)))
-        self._tasks.append(loop.create_task(self._health_loop()))
+        tasks = self._per.setdefault(s.name, [])
+        if s.phase is Phase.JOINING:
+            tasks.append(loop.create_task(self._join(s)))
+            return
+        if self.snapshots and s.published.publishes is not False:
+            tasks.append(loop.create_task(self._poll(s, "/snapshot")))
+        if self.metrics:
+            tasks.append(loop.create_task(self._poll(s, "/metrics")))
+        tasks.append(loop.create_task(self._cache_config(s)))
+        if s.phase is Phase.DRAINING:
+            tasks.append(loop.create_task(self._drain(s)))
+
+    def _remove(self, s: InstanceState) -> None:
+        for task in self._per.pop(s.name, []):
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    def _on_change(self, c: Change, s: InstanceState) -> None:
+        if not self._started:
+            return
+        if c.change in ("join", "update"):
+            self._remove(s)  # (an update may have moved it: poll its new address)
+            self._add(s)
+        elif c.change == "ready":
+            self._remove(s)
+            self._add(s)
+        elif c.change == "drain":
+            self._per.setdefault(s.name, []).append(
+                asyncio.get_running_loop().create_task(self._drain(s)))
+        elif c.change == "leave":
+            self._remove(s)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        self._started = False
+        tasks = [*self._tasks, *(t for ts in self._per.values() for t in ts)]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        self._per.clear()
 
     def request_arrived(self, t: float) -> None:
         """A request came at ``t``: the first one after an idle spell wakes the pollers."""
@@ -132,18 +178,40 @@ class Pollers:
                 pass  # not up yet: the health loop reports it
             await asyncio.sleep(self.pool.health.interval_s)
 
-    async def _probe(self, s: InstanceState) -> None:
+    async def _check(self, s: InstanceState) -> tuple[bool, str]:
+        """Whether the instance's ``/health`` answers 200 now, and why not."""
         try:
             r = await self._upstream().get(s.url + "/health", self.pool.health.timeout_s)
-            ok = r.status == 200
-            why = f"/health answered {r.status}"
+            return r.status == 200, f"/health answered {r.status}"
         except UpstreamError as e:
-            ok, why = False, str(e)
-        s.health.probe(ok, why)
+            return False, str(e)
+
+    async def _probe(self, s: InstanceState) -> None:
+        ok, why = await self._check(s)
+        if s.phase is not Phase.JOINING:  # (a joining one has its own probes: _join)
+            s.health.probe(ok, why)
+
+    async def _join(self, s: InstanceState) -> None:
+        """Probe a joining instance until it passes: then it is ready (in rotation)."""
+        while s.phase is Phase.JOINING:
+            ok, why = await self._check(s)
+            if ok and s.phase is Phase.JOINING:
+                s.health.probe(True, "")
+                self.members.ready(s)  # (its listener starts the polls: this task ends)
+                return
+            s.health.last_error = why
+            await asyncio.sleep(JOIN_PROBE_S)
+
+    async def _drain(self, s: InstanceState) -> None:
+        """Wait for a draining instance's requests in flight to end: then it leaves."""
+        while s.phase is Phase.DRAINING and len(s.ledger):
+            await asyncio.sleep(DRAIN_CHECK_S)
+        if s.phase is Phase.DRAINING:
+            self.members.leave(s)
 
     async def _health_loop(self) -> None:
         interval = self.pool.health.interval_s
         while True:
             await asyncio.sleep(interval)
-            await asyncio.gather(*(self._probe(s) for s in self.instances),
+            await asyncio.gather(*(self._probe(s) for s in self.members),
                                  return_exceptions=True)
