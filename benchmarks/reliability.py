@@ -8,8 +8,8 @@ and clients here; per scenario, how many requests succeeded and how many were lo
 Scenarios: ``open`` (Poisson arrivals at --rate, 20% faults: 5xx, timeouts, disconnects and
 streams broken after three tokens, on every instance), ``closed`` (--clients clients back to
 back, the same faults), ``kill`` (no faults, 64-token answers; one instance killed a third of
-the way and restarted on its port two seconds later), ``churn`` (--clients clients, 64-token
-answers, no faults, while the pool config file changes every --churn-s seconds, eight times:
+the way and restarted on its port two seconds later), ``churn`` (--clients clients asking for
+qwen3-8b, 64-token answers, no faults, while the pool config file changes every --churn-s seconds, eight times:
 instances added and removed among five emulators, one killed and restarted; as many requests
 as that takes; a line after the table
 says how soon each instance that became ready served, and how many requests sent after an
@@ -200,6 +200,7 @@ class Tally:
     notes: list[str] = field(default_factory=list)
     # per answer: (wall time sent, wall time its headers came, the instance that served it)
     served: list[tuple[float, float, str]] = field(default_factory=list)
+    churn: dict = field(default_factory=dict)  # the churn scenario's findings
 
     def row(self, name: str, rss: tuple[float, float], code: int | None) -> str:
         cont = "–" if math.isnan(self.continued) else f"{self.continued:.0f}"
@@ -209,16 +210,17 @@ class Tally:
                 f"{'' if code is None else code} |")
 
 
-def body(k: int, max_tokens: int = 16) -> tuple[dict, bool]:
+def body(k: int, max_tokens: int = 16, model: str = "auto") -> tuple[dict, bool]:
     stream = k % 2 == 1
-    return ({"model": "auto", "max_tokens": max_tokens, "stream": stream,
+    return ({"model": model, "max_tokens": max_tokens, "stream": stream,
              "messages": [{"role": "user", "content": f"question {k}: " + "word " * (k % 50)}]},
             stream)
 
 
-async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16) -> None:
+async def one(c: httpx.AsyncClient, k: int, tally: Tally, max_tokens: int = 16,
+              model: str = "auto") -> None:
     """One request; its fate counted."""
-    payload, stream = body(k, max_tokens)
+    payload, stream = body(k, max_tokens, model)
     tally.requests += 1
     sent = time.time()
     try:
@@ -289,9 +291,10 @@ async def open_loop(url: str, n: int, rate: float, tally: Tally, seed: int = 0,
 
 
 async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None,
-                      max_tokens: int = 16, until: asyncio.Event | None = None) -> None:
+                      max_tokens: int = 16, until: asyncio.Event | None = None,
+                      model: str = "auto") -> None:
     """``n`` requests from ``clients`` clients back to back (``until``: or until it is set,
-    however many that is)."""
+    however many that is), for ``model``."""
     counter = iter(range(n) if until is None else itertools.count())
     side: list[asyncio.Task] = []
 
@@ -301,7 +304,7 @@ async def closed_loop(url: str, n: int, clients: int, tally: Tally, during=None,
                 return
             if during is not None and k == n // 3:
                 side.append(asyncio.create_task(during()))
-            await one(c, k, tally, max_tokens)
+            await one(c, k, tally, max_tokens, model)
 
     async with client(url, clients * 2) as c:
         await asyncio.gather(*(worker(c) for _ in range(clients)))
@@ -362,12 +365,15 @@ def churn_report(tally: Tally, changes: dict[tuple[float, str, str], None]) -> s
         if change == "ready":
             after = [h for sent, h, i in tally.served if i == name and h >= t]
             firsts.append(min(after) - t if after else math.inf)
+            tally.notes.append(f"    {name} ready at {t:.2f}: first answer after "
+                               f"{firsts[-1]:.2f} s")
         elif change == "drain":
             back = [u for u, c, n in events if n == name and c == "join" and u > t]
             until = min(back, default=math.inf)
             late += sum(1 for sent, _, i in tally.served if i == name and t < sent < until)
     counts = {c: sum(1 for _, x, _ in events if x == c) for c in
               ("join", "ready", "drain", "leave")}
+    tally.churn = {"changes": counts, "first_answer_s": firsts, "served_after_drain": late}
     f = np.array(firsts)
     return (f"churn: {counts['join']} joins, {counts['ready']} ready, {counts['drain']} drains, "
             f"{counts['leave']} leaves; first answer from a ready instance after "
@@ -403,8 +409,10 @@ async def scenario(name: str, args: argparse.Namespace) -> tuple[str, Tally]:
             changes: dict[tuple[float, str, str], None] = {}
             changing = asyncio.create_task(churn(cl, done, args.churn_s, changes))
             try:
+                # (for the model whose instances come and go: with ``auto`` sfs sends most
+                # requests to i0, and a new qwen3-8b instance waits for overflow)
                 await closed_loop(cl.url, args.requests, args.clients, tally, max_tokens=64,
-                                  until=done)
+                                  until=done, model="qwen3-8b")
             finally:
                 done.set()
                 await changing
@@ -454,7 +462,7 @@ def main() -> None:
     for name in args.scenarios.split(","):
         row, tally = asyncio.run(scenario(name, args))
         print(row, flush=True)
-        for note in tally.notes[:5]:
+        for note in tally.notes[:10]:
             print(f"    {note}", file=sys.stderr if not note.startswith("churn:") else
                   sys.stdout)
 

@@ -18,8 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from duetime.gateway.changes import (check_live, group_members, instance_changes, members_of,
-                                     moved)
+from duetime.gateway.changes import check_live, group_members, instance_changes, members_of, moved
 from duetime.gateway.config import ConfigError
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.state.membership import Membership, Phase
@@ -247,6 +246,27 @@ def test_changed_instance_is_reconfigured_in_place(caplog):
     run(main())
 
 
+def test_joining_replica_starts_from_its_least_corrected_sibling():
+    """A new replica's TTFT correction starts at its serving siblings' least: an optimistic
+    start gets it requests, from which it learns its own (a pessimistic start starved it)."""
+    async def main() -> None:
+        svc = await Service(pool_from_dict(config(inst("a"), inst("b", seed=1)),
+                                           "test.yaml")).start()
+        gw = svc.gateway
+        assert gw is not None
+        try:
+            for name, ratio in (("a", 3.0), ("b", 0.6)):
+                for _ in range(8):
+                    gw.membership.get(name).ttft_correction.observe(1.0, ratio)
+            await svc.reload(pool_from_dict(config(inst("a"), inst("b", seed=1),
+                                                   inst("c", seed=2)), "test.yaml"), gw)
+            assert gw.membership.get("c").ttft_correction.factor == pytest.approx(0.6)
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
 def test_config_file_watch_and_sighup(tmp_path: Path, caplog):
     """The file watch applies an edited file; a broken file is refused with one log line
     naming the file and the field, the pool kept; SIGHUP re-reads it."""
@@ -257,8 +277,9 @@ def test_config_file_watch_and_sighup(tmp_path: Path, caplog):
         svc = await Service(pool_from_dict(cfg, str(path))).start()
         gw = svc.gateway
         assert gw is not None
-        from duetime.service import load_pool
-        watch = ConfigWatch(path, lambda: load_pool(path), lambda p: svc.reload(p, gw),
+        from duetime.service.pool import pool_from_text
+        watch = ConfigWatch(path, lambda t: pool_from_text(t, str(path)),
+                            lambda p: svc.reload(p, gw),
                             watch_s=0.05, metrics=gw.metrics)
         watch.start()
         try:
@@ -291,5 +312,69 @@ def test_config_file_watch_and_sighup(tmp_path: Path, caplog):
         finally:
             await watch.stop()
             await svc.stop()
+
+    run(main())
+
+
+# -- replicas on one Redis agree ----------------------------------------------------------------
+
+def test_replicas_on_one_store_apply_the_same_config(tmp_path: Path, redis_server):
+    """Two gateway replicas on one Redis, each with its own copy of the file: the first to
+    see a change applies it and the other follows through the store (its own file unchanged,
+    as a ConfigMap volume that has not caught up); a refused file is not shared."""
+    from duetime.emulator import create_app
+    from duetime.emulator.options import EmulatorOptions
+    from duetime.engine.profiles import load_profile
+    from duetime.service.pool import pool_from_text
+    from duetime.web.server import AppServer
+
+    async def main() -> None:
+        servers = []
+        for k in range(3):
+            emu = EmulatorOptions(speed=4.0, seed=k).emulator(load_profile("qwen3-0.6b"), "big")
+            servers.append((await AppServer(create_app(emu), host="127.0.0.1", port=0).start(),
+                            emu))
+        urls = [s.url for s, _ in servers]
+
+        def text(n: int) -> str:
+            entries = [{"name": "abc"[k], "model": "big", "profile": "qwen3-0.6b",
+                        "price_usd_per_mtok": PRICE, "url": urls[k]} for k in range(n)]
+            return yaml.safe_dump(config(*entries, state={"store": redis_server.url},
+                                         discovery={"watch_s": 0.05}))
+
+        files = [tmp_path / "a.yaml", tmp_path / "b.yaml"]
+        for f in files:
+            f.write_text(text(2))
+        svcs, watches = [], []
+        try:
+            for f in files:
+                svc = await Service(pool_from_text(text(2), str(f))).start()
+                gw = svc.gateway
+                w = ConfigWatch(f, lambda t, f=f: pool_from_text(t, str(f)),
+                                lambda p, svc=svc, gw=gw: svc.reload(p, gw), watch_s=0.05,
+                                metrics=gw.metrics, shared=gw.shared.pool_config)
+                w.start()
+                svcs.append(svc)
+                watches.append(w)
+            await asyncio.sleep(0.3)  # (both subscribed)
+            files[0].write_text(text(3))
+            b = svcs[1].gateway
+            assert await wait_for(lambda: getattr(b.membership.get("c"), "phase", None)
+                                  is Phase.SERVING)
+            assert files[1].read_text() == text(2)
+            files[0].write_text(text(3).replace("round-robin", "sfs"))  # (refused by a)
+            await asyncio.sleep(0.5)
+            assert b.pool.policy == "round-robin"
+            get = b.metrics.registry.get_sample_value
+            assert get("duetime_config_reloads_total", {"outcome": "applied"}) == 1
+            assert get("duetime_config_reloads_total", {"outcome": "refused"}) is None
+        finally:
+            for w in watches:
+                await w.stop()
+            for svc in svcs:
+                await svc.stop()
+            for server, emu in servers:
+                await server.stop(force=True)
+                await emu.close()
 
     run(main())

@@ -154,9 +154,13 @@ class Gateway:
             s = self.membership.get(i.name)
             if s is None:
                 (s,) = self._instances([i])
-                sibling = next((o for o in self.membership.serving if o.model == i.model), None)
-                if sibling is not None:
-                    s.ttft_correction.learn_from(sibling.ttft_correction)
+                # its TTFT correction starts from the least of its serving siblings': an
+                # optimistic start gets it tried, and its own first tokens then correct it
+                # (a pessimistic one starved it: it learns only from requests it gets)
+                siblings = [o for o in self.membership.serving if o.model == i.model]
+                if siblings:
+                    s.ttft_correction.learn_from(min(
+                        (o.ttft_correction for o in siblings), key=lambda c: c.factor))
                 self.membership.join(s, why)
                 if s.events is not None and self.started():
                     s.events.start()

@@ -621,6 +621,12 @@ def load_pool(path: str | Path) -> Pool:
         raise ConfigError(f"{source}: cannot read: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{source}: not UTF-8 text") from None
+    return pool_from_text(text, source)
+
+
+def pool_from_text(text: str, source: str) -> Pool:
+    """Validate a pool config's YAML text (``source``: the file it is, or stands for: paths
+    in it are relative to that file's folder)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

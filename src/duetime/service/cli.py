@@ -65,14 +65,16 @@ def config_watch(args: argparse.Namespace, pool: Pool, gateway: Any,
     """The watch of ``--config`` (``duetime serve`` and ``duetime epp``): the file re-read,
     with the command line's options applied again, when it changes and on SIGHUP
     (:mod:`duetime.service.config_watch`); started."""
-    from duetime.service import ConfigError, load_pool
+    from duetime.service import ConfigError
     from duetime.service.config_watch import ConfigWatch
+    from duetime.service.pool import pool_from_text
 
-    def load() -> Pool:
-        return with_cli_options(load_pool(args.config), args, ConfigError)
+    def load(text: str) -> Pool:
+        return with_cli_options(pool_from_text(text, args.config), args, ConfigError)
 
     watch = ConfigWatch(args.config, load, lambda p: reload(p, gateway),
-                        watch_s=pool.discovery.watch_s, metrics=gateway.metrics)
+                        watch_s=pool.discovery.watch_s, metrics=gateway.metrics,
+                        shared=gateway.shared.pool_config)
     watch.start()
     return watch
 

@@ -6,6 +6,10 @@ the running pool is kept.
 
 The file is compared by content, not by its time stamp alone: an editor that rewrites it
 unchanged, or a ConfigMap volume's symlink swap that lands the same bytes, changes nothing.
+
+With a shared store (``state.store``) the replicas agree: a config this replica applies is
+published, and one another replica applied is applied here too
+(:mod:`duetime.gateway.backends.redis_pool`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from duetime.gateway.backends import PoolConfigFeed
 from duetime.gateway.changes import InstanceChanges
 from duetime.gateway.config import ConfigError, Pool
 from duetime.gateway.prometheus import GatewayMetrics
@@ -26,20 +31,24 @@ log = logging.getLogger("duetime.gateway")
 
 
 class ConfigWatch:
-    """Follows ``path``: ``load()`` reads and validates it (raising ConfigError), ``apply``
-    applies what it read. :meth:`start` watches every ``watch_s`` seconds (0: on SIGHUP
-    only) and installs the SIGHUP handler; :meth:`reload` reads it now."""
+    """Follows ``path``: ``load(text)`` validates a config's text (raising ConfigError),
+    ``apply`` applies it. :meth:`start` watches every ``watch_s`` seconds (0: on SIGHUP
+    only), installs the SIGHUP handler and follows ``shared`` (the other replicas' configs;
+    None: alone); :meth:`reload` reads the file now."""
 
-    def __init__(self, path: str | Path, load: Callable[[], Pool],
+    def __init__(self, path: str | Path, load: Callable[[str], Pool],
                  apply: Callable[[Pool], Awaitable[InstanceChanges]], *, watch_s: float,
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None,
+                 shared: PoolConfigFeed | None = None) -> None:
         self.path = Path(path)
         self.load = load
         self.apply = apply
         self.watch_s = watch_s
         self.metrics = metrics
+        self.shared = shared
         self._seen = self._digest()
-        self._task: asyncio.Task[None] | None = None
+        self.applied = self._seen  # the digest of the config text applied last
+        self._tasks: list[asyncio.Task[None]] = []
         self._lock = asyncio.Lock()
         self._hup = False
 
@@ -51,19 +60,45 @@ class ConfigWatch:
 
     async def reload(self, why: str) -> bool:
         """Read the file and apply it; whether it was applied (a refusal is logged)."""
+        try:
+            data = self.path.read_bytes()
+        except OSError as e:
+            async with self._lock:
+                self._refused(ConfigError(f"{self.path}: cannot read: {e.strerror or e}"), why)
+            return False
+        self._seen = hashlib.sha256(data).digest()
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            async with self._lock:
+                self._refused(ConfigError(f"{self.path}: not UTF-8 text"), why)
+            return False
+        return await self._apply(text, why, publish=True)
+
+    async def _apply(self, text: str, why: str, *, publish: bool) -> bool:
         async with self._lock:
-            self._seen = self._digest()
             try:
-                changes = await self.apply(self.load())
+                changes = await self.apply(self.load(text))
             except ConfigError as e:
-                self._count("refused")
-                log.error(f"pool config not applied: {e}", extra={"fields": {
-                    "event": "config_refused", "file": str(self.path), "why": why}})
+                self._refused(e, why)
                 return False
+            self.applied = hashlib.sha256(text.encode()).digest()
             self._count("applied")
             log.info(f"pool config applied: {changes.describe()}", extra={"fields": {
                 "event": "config_applied", "file": str(self.path), "why": why}})
+            if publish and self.shared is not None:
+                await self.shared.publish(text)
             return True
+
+    async def _from_replica(self, text: str, replica: str) -> None:
+        """Another replica applied ``text``: apply it here too (unless it is this one's)."""
+        if hashlib.sha256(text.encode()).digest() != self.applied:
+            await self._apply(text, f"replica {replica}", publish=False)
+
+    def _refused(self, e: ConfigError, why: str) -> None:
+        self._count("refused")
+        log.error(f"pool config not applied: {e}", extra={"fields": {
+            "event": "config_refused", "file": str(self.path), "why": why}})
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
@@ -74,7 +109,9 @@ class ConfigWatch:
         with contextlib.suppress(NotImplementedError, RuntimeError):  # (not the main thread)
             loop.add_signal_handler(signal.SIGHUP, self._on_hup)
             self._hup = True
-        self._task = loop.create_task(self._watch())
+        self._tasks = [loop.create_task(self._watch())]
+        if self.shared is not None:
+            self._tasks.append(loop.create_task(self.shared.follow(self._from_replica)))
 
     def _on_hup(self) -> None:
         loop = asyncio.get_running_loop()
@@ -95,8 +132,9 @@ class ConfigWatch:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             self._hup = False
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []

@@ -14,6 +14,7 @@ from duetime.emulator.options import EmulatorOptions
 from duetime.gateway.config import ConfigError, Pool, format_errors
 from duetime.gateway.config import load_pool as load_gateway_pool
 from duetime.gateway.config import pool_from_dict as gateway_pool_from_dict
+from duetime.gateway.config import pool_from_text as gateway_pool_from_text
 
 DEMO_MODELS = ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")
 
@@ -57,6 +58,12 @@ def load_pool(path: str | Path) -> Pool:
     """:func:`duetime.gateway.load_pool`, with the embedded instances' options checked (and
     their prefix caching in their specs)."""
     return _with_embedded_caching(load_gateway_pool(path))
+
+
+def pool_from_text(text: str, source: str) -> Pool:
+    """:func:`duetime.gateway.config.pool_from_text`, with the embedded instances' options
+    checked (and their prefix caching in their specs)."""
+    return _with_embedded_caching(gateway_pool_from_text(text, source))
 
 
 def demo_pool(*, speed: float = 1.0, policy: str = "sfs", replicas: int = 1) -> Pool:

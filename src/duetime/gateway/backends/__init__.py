@@ -13,7 +13,7 @@ imports a backend.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
 from duetime.gateway.config import StateSpec
@@ -23,15 +23,29 @@ from duetime.gateway.state.flight import FlightStore
 from duetime.gateway.state.peers import PeerFeed
 
 
+class PoolConfigFeed(Protocol):
+    """The pool config the replicas last applied (:mod:`.redis_pool`)."""
+
+    async def publish(self, text: str) -> None:
+        """This replica applied ``text``."""
+        ...
+
+    async def follow(self, on_config: Callable[[str, str], Awaitable[None]]) -> None:
+        """Hand each config another replica applies (its text, that replica) to
+        ``on_config``, until cancelled."""
+        ...
+
+
 class SharedState(Protocol):
     """A backend's parts: ``flights`` (this replica's attempts), ``peers`` (the others'),
     ``limits`` (rate-limit buckets), ``bindings`` (session bindings; None: each policy keeps
-    its own)."""
+    its own), ``pool_config`` (the pool config the replicas agree on; None: alone)."""
 
     flights: FlightStore
     peers: PeerFeed
     limits: RateLimitStore
     bindings: MutableMapping[str, str] | None
+    pool_config: PoolConfigFeed | None
 
     async def start(self, metrics: GatewayMetrics) -> None:
         """Start syncing (nothing for memory)."""

@@ -63,6 +63,7 @@ class MemoryState:
         self.limits = MemoryLimitStore()
         self.peers: PeerFeed = NO_PEERS
         self.bindings: MutableMapping[str, str] | None = None
+        self.pool_config = None  # (alone: no other replica to agree with)
 
     async def start(self, metrics: GatewayMetrics) -> None:
         pass  # (nothing to sync)

@@ -1,6 +1,6 @@
 """The Redis backend: what gateway replicas share through one Redis (``state.store``) — their
-flights and ejections (:mod:`.redis_flights`), session bindings, and rate-limit buckets
-(:mod:`.redis_limits`)."""
+flights and ejections (:mod:`.redis_flights`), session bindings, rate-limit buckets
+(:mod:`.redis_limits`) and the pool config they last applied (:mod:`.redis_pool`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from duetime.gateway.backends.redis_connection import RedisConnection
 from duetime.gateway.backends.redis_flights import RedisFlightStore, SessionBindings
 from duetime.gateway.backends.redis_limits import RedisLimitStore
+from duetime.gateway.backends.redis_pool import SharedPoolConfig
 from duetime.gateway.config import StateSpec
 from duetime.gateway.prometheus import GatewayMetrics
 
@@ -24,6 +25,7 @@ class RedisState:
         self.peers = self.flights  # (the store mirrors the other replicas' flights)
         self.limits = RedisLimitStore(conn)
         self.bindings: SessionBindings = self.flights.bindings
+        self.pool_config = SharedPoolConfig(conn, self.flights.replica)
 
     async def start(self, metrics: GatewayMetrics) -> None:
         await self.flights.start(metrics)
