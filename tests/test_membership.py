@@ -94,13 +94,15 @@ def test_dns_groups_expand_to_one_member_per_address():
         "name": "g", "model": "small", "profile": "qwen3-0.6b", "price_usd_per_mtok": PRICE,
         "url": "http://vllm.test:8000/", "discover": "dns"}), "p.yaml")
     g = pool.instances[1]
-    ms = group_members(g, ["10.0.0.2", "fd00::1", "10.0.0.1"])
+    ms = group_members(g, [(a, a, None) for a in ("10.0.0.2", "fd00::1", "10.0.0.1")])
     assert [m.name for m in ms] == ["g@10.0.0.1", "g@10.0.0.2", "g@fd00::1"]
     assert [m.url for m in ms] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000",
                                    "http://[fd00::1]:8000"]
     assert all(m.discover == "none" and m.model == "small" for m in ms)
     assert [i.name for i in members_of(pool, {})] == ["a"]  # (not looked up yet: none)
     assert moved(ms[0], ms[1]) and not moved(ms[0], ms[0])
+    pod = group_members(g, [("pod-1", "10.0.0.9", 9000)])[0]  # (an InferencePool's pod)
+    assert (pod.name, pod.url) == ("g@pod-1", "http://10.0.0.9:9000")
 
 
 @pytest.mark.parametrize("entry, error", [

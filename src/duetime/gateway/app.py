@@ -30,6 +30,7 @@ from starlette.routing import BaseRoute, Route
 from duetime.engine.warmup import warm_up
 from duetime.gateway.backends import SharedState, open_shared_state
 from duetime.gateway.changes import (
+    Endpoint,
     InstanceChanges,
     check_live,
     groups,
@@ -44,6 +45,7 @@ from duetime.gateway.intake.auth import Auth, KeyMetering
 from duetime.gateway.intake.policies import PolicyBook
 from duetime.gateway.intake.ratelimit import Limiter
 from duetime.gateway.intake.request import Intake
+from duetime.gateway.kubernetes import PodWatch
 from duetime.gateway.observe.admin import admin_routes
 from duetime.gateway.observe.attempt_metrics import AttemptMetrics
 from duetime.gateway.observe.observatory import Observatory
@@ -76,7 +78,7 @@ class Gateway:
     consider (:mod:`duetime.gateway.intake.auth`)."""
 
     def __init__(self, pool: Pool, *, host: str | None = None) -> None:
-        missing = [i.name for i in pool.instances if i.url is None]
+        missing = [i.name for i in pool.instances if i.url is None and i.discover == "none"]
         if missing:
             raise ValueError(f"instances without a URL (start their emulators first): {missing}")
         self.pool = pool
@@ -89,9 +91,10 @@ class Gateway:
         self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics)
         self.budget = EjectionBudget(0, pool.health.max_ejected_fraction)
         # the instances as configured (each member's: its own may have adopted what it
-        # reported since), and each DNS group's addresses as last looked up
+        # reported since), and each group's members as last discovered (DNS, Kubernetes)
         self.configured: dict[str, Instance] = {}
-        self.addresses: dict[str, list[str]] = {}
+        self.endpoints: dict[str, list[Endpoint]] = {}
+        self.pod_watches: dict[str, PodWatch] = {}
         self.membership = Membership(self._instances(members_of(pool, {})), self.metrics)
         self.budget.size = len(self.membership)
         self.observatory = Observatory([s.name for s in self.membership])
@@ -134,13 +137,15 @@ class Gateway:
         its instances join, drain or change; raises ConfigError (changing nothing) if it
         changes what needs a restart."""
         check_live(self.pool, pool)
-        if missing := [i.name for i in pool.instances if i.url is None]:
+        if missing := [i.name for i in pool.instances
+                       if i.url is None and i.discover == "none"]:
             raise ConfigError(f"{pool.source}: instances without a URL: {missing}")
         self.pool = pool
         self.intake.reconfigure(pool)
-        changes = self._sync(members_of(pool, self.addresses), why)
+        changes = self._sync(members_of(pool, self.endpoints), why)
         if self.started():
             self._watch_dns()
+            self._watch_pods()
         return changes
 
     def _sync(self, wanted: list[Instance], why: str) -> InstanceChanges:
@@ -204,16 +209,35 @@ class Gateway:
                 log.warning("DNS group not looked up: members kept", extra={"fields": {
                     "event": "dns_failed", "group": g.name, "error": str(e)}})
                 continue
-            if self.addresses.get(g.name) != found:
-                self.addresses[g.name] = found
+            eps: list[Endpoint] = [(a, a, None) for a in found]
+            if self.endpoints.get(g.name) != eps:
+                self.endpoints[g.name] = eps
                 changed = True
-        live = {g.name for g in groups(self.pool)}
-        for name in [n for n in self.addresses if n not in live]:
-            del self.addresses[name]
+        live = {g.name for g in self.pool.instances if g.discover != "none"}
+        for name in [n for n in self.endpoints if n not in live]:
+            del self.endpoints[name]
             changed = True
         if changed:
-            self._sync(members_of(self.pool, self.addresses), "dns")
+            self._sync(members_of(self.pool, self.endpoints), "dns")
         return changed
+
+    def _watch_pods(self) -> None:
+        """A watch of each InferencePool group's pods (the Kubernetes API, in a thread); a
+        group no longer in the pool has its watch stopped."""
+        wanted = {g.name: g for g in groups(self.pool, "kubernetes")}
+        for name in [n for n in self.pod_watches if n not in wanted]:
+            self.pod_watches.pop(name).stop()
+        for name, g in wanted.items():
+            if name not in self.pod_watches:
+                self.pod_watches[name] = PodWatch(
+                    g, self.pool.discovery.kubeconfig,
+                    functools.partial(self._pods_changed, name)).start()
+
+    def _pods_changed(self, group: str, endpoints: list[Endpoint]) -> None:
+        """An InferencePool group's ready pods now (on the event loop)."""
+        if group in self.pod_watches and self.endpoints.get(group) != endpoints:
+            self.endpoints[group] = endpoints
+            self._sync(members_of(self.pool, self.endpoints), "kubernetes")
 
     def _watch_dns(self) -> None:
         if groups(self.pool) and (self._dns_task is None or self._dns_task.done()):
@@ -252,6 +276,7 @@ class Gateway:
                 s.events.start()
         await self.resolve_groups()  # (their members join: probed before they get requests)
         self._watch_dns()
+        self._watch_pods()
 
     def drain(self) -> None:
         """The server is stopping: the dashboard's event streams end (an endless stream would
@@ -260,6 +285,9 @@ class Gateway:
 
     async def close(self) -> None:
         self.drain()
+        for watch in self.pod_watches.values():
+            watch.stop()
+        self.pod_watches.clear()
         if self._dns_task is not None:
             self._dns_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

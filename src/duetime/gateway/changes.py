@@ -60,7 +60,8 @@ def check_live(old: Pool, new: Pool) -> None:
             raise ConfigError(f"{new.source}: instance {i.name!r}: its model changed ({o.model} "
                               f"-> {i.model}); give the new one another name; the running "
                               "pool is kept")
-        if o.emulate != i.emulate or o.discover != i.discover:
+        if (o.emulate, o.discover, o.inference_pool) != (i.emulate, i.discover,
+                                                            i.inference_pool):
             what = "emulate" if o.emulate != i.emulate else "discover"
             raise ConfigError(f"{new.source}: instance {i.name!r}: its {what} setting changed; "
                               "give the new one another name; the running pool is kept")
@@ -85,39 +86,45 @@ def moved(old: Instance, new: Instance) -> bool:
     return old.url != new.url
 
 
-# -- DNS groups ---------------------------------------------------------------------------------
+# -- groups: DNS names and Kubernetes InferencePools ---------------------------------------------
 
-def member_name(group: str, address: str) -> str:
-    """A DNS group's member at ``address``: ``group@address``."""
-    return f"{group}@{address}"
+# a group's member as discovered: (its name's suffix, its host, its port: None for the group
+# url's); a DNS group's are (address, address, None), an InferencePool's (pod, pod IP, port)
+Endpoint = tuple[str, str, "int | None"]
 
 
-def group_members(group: Instance, addresses: list[str]) -> list[Instance]:
-    """A DNS group's members: the group's instance at each address (its URL's host replaced
-    by the address)."""
-    assert group.url is not None
-    u = urlsplit(group.url)
-    port = f":{u.port}" if u.port is not None else ""
+def member_name(group: str, suffix: str) -> str:
+    """A group's member: ``group@suffix`` (an address, or a pod's name)."""
+    return f"{group}@{suffix}"
+
+
+def group_members(group: Instance, endpoints: list[Endpoint]) -> list[Instance]:
+    """A group's members: the group's instance at each endpoint (its URL's host and port
+    replaced; a group without a URL, an InferencePool's, is plain http)."""
+    u = urlsplit(group.url or "http://pod")
     out = []
-    for a in sorted(addresses):
-        host = f"[{a}]" if ":" in a else a
-        url = urlunsplit((u.scheme, f"{host}{port}", u.path, u.query, u.fragment))
-        out.append(replace(group, name=member_name(group.name, a), url=url, discover="none"))
+    for suffix, address, port in sorted(endpoints):
+        host = f"[{address}]" if ":" in address else address
+        p = port if port is not None else u.port
+        url = urlunsplit((u.scheme, host + (f":{p}" if p is not None else ""), u.path,
+                          u.query, u.fragment))
+        out.append(replace(group, name=member_name(group.name, suffix), url=url,
+                           discover="none", inference_pool=None))
     return out
 
 
-def members_of(pool: Pool, addresses: dict[str, list[str]]) -> list[Instance]:
-    """The pool's instances with each DNS group replaced by its members at the addresses
-    last looked up (``addresses``: by group name; a group not looked up yet has none)."""
+def members_of(pool: Pool, endpoints: dict[str, list[Endpoint]]) -> list[Instance]:
+    """The pool's instances with each group replaced by its members at the endpoints last
+    discovered (``endpoints``: by group name; a group not discovered yet has none)."""
     out: list[Instance] = []
     for i in pool.instances:
-        if i.discover == "dns":
-            out += group_members(i, addresses.get(i.name, []))
+        if i.discover != "none":
+            out += group_members(i, endpoints.get(i.name, []))
         else:
             out.append(i)
     return out
 
 
-def groups(pool: Pool) -> list[Instance]:
-    """The pool's DNS groups."""
-    return [i for i in pool.instances if i.discover == "dns"]
+def groups(pool: Pool, kind: str = "dns") -> list[Instance]:
+    """The pool's groups of one kind (``dns`` or ``kubernetes``)."""
+    return [i for i in pool.instances if i.discover == kind]

@@ -90,7 +90,10 @@ class _InstanceIn(_Strict):
     replicas: int = Field(1, ge=1, le=1000)
     # dns: the URL's host is a name whose addresses are the replicas (a headless Service),
     # looked up every discovery.dns_interval_s: one member per address (name@address)
-    discover: Literal["none", "dns"] = "none"
+    # kubernetes: the ready pods an InferencePool selects (inference_pool: NAMESPACE/NAME),
+    # watched through the Kubernetes API: one member per pod and target port (name@pod)
+    discover: Literal["none", "dns", "kubernetes"] = "none"
+    inference_pool: str | None = Field(None, pattern=r"^([a-z0-9][-a-z0-9]*/)?[a-z0-9][-a-z0-9.]*$")
 
     @field_validator("url")
     @classmethod
@@ -205,6 +208,9 @@ class DiscoverySpec(_Strict):
     # the DNS servers to ask, HOST or HOST:PORT (none: the system's resolver)
     dns_servers: list[str] = []
     dns_timeout_s: float = Field(2.0, gt=0, le=60)
+    # the Kubernetes API for discover: kubernetes: a kubeconfig file (relative to the pool
+    # config); null: the pod's service account (in-cluster), else $KUBECONFIG
+    kubeconfig: str | None = None
 
     @field_validator("dns_servers")
     @classmethod
@@ -278,7 +284,9 @@ class Instance:
     spec: InstanceSpec
     snapshot: str
     kv_events: KvEventsSpec | None = None  # where it publishes vLLM's KV events, if it does
-    discover: str = "none"  # "dns": a group, one member per address of its URL's host
+    discover: str = "none"  # "dns": a group, one member per address of its URL's host;
+    # "kubernetes": one member per ready pod of the InferencePool named here
+    inference_pool: str | None = None
 
     @property
     def batch_time(self) -> BatchTimeModel:
@@ -434,12 +442,15 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         raise fail("lambda", "must be finite")
     policy, params = _policy(spec.policy, source)
     auth = resolve_auth(spec.auth, base, models, spec.aliases, fail)
+    discovery = spec.discovery
+    if discovery.kubeconfig is not None:
+        discovery = discovery.model_copy(update={"kubeconfig": str(base / discovery.kubeconfig)})
     return Pool(source, tuple(insts), policy, params, spec.lambda_, spec.delta, spec.alpha,
                 spec.seed, spec.retries, spec.default_output_tokens, tuple(spec.aliases), table,
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
                 chat_template=chat_template, auth=auth, limits=spec.limits,
-                discovery=spec.discovery)
+                discovery=discovery)
 
 
 def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[Instance]:
@@ -451,9 +462,13 @@ def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[I
         if s.name in names:
             raise fail(f"{w}.name", f"duplicate instance name {s.name!r}")
         names.add(s.name)
-        if (s.url is None) == (s.emulate is None):
+        if s.discover == "kubernetes":
+            _check_pod_group(s, w, fail)
+        elif (s.url is None) == (s.emulate is None):
             raise fail(w, "needs exactly one of url (a running server) or emulate (start an "
                        "in-process emulator)")
+        elif s.inference_pool is not None:
+            raise fail(f"{w}.inference_pool", "only with discover: kubernetes")
         profile = s.profile
         if profile is None and s.batch_time is None and s.emulate is not None \
                 and s.model in profile_names():
@@ -482,7 +497,8 @@ def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[I
             _check_dns_group(s, w, fail)
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,
                               None if s.emulate is None else s.emulate.model_dump(), profile,
-                              ispec, s.snapshot, s.kv_events, s.discover))
+                              ispec, s.snapshot, s.kv_events, s.discover,
+                              s.inference_pool))
     return insts
 
 
@@ -504,6 +520,22 @@ def _check_dns_group(s: _InstanceIn, where: str, fail: Fail) -> None:
                    "named NAME@ADDRESS)")
     if s.kv_events is not None:
         raise fail(f"{where}.kv_events", "not for a DNS group (each replica publishes its own "
+                   "events: list the replicas one by one)")
+
+
+def _check_pod_group(s: _InstanceIn, where: str, fail: Fail) -> None:
+    """An InferencePool's pods: named by the pool, not by a URL or an emulator."""
+    if s.inference_pool is None:
+        raise fail(f"{where}.inference_pool", "required with discover: kubernetes "
+                   "(NAMESPACE/NAME of the InferencePool whose pods serve it)")
+    if s.url is not None or s.emulate is not None:
+        raise fail(where, "discover: kubernetes takes its pods' addresses from the "
+                   "InferencePool: no url or emulate")
+    if "@" in s.name:
+        raise fail(f"{where}.name", "a group's name may not contain '@' (its members are "
+                   "named NAME@POD)")
+    if s.kv_events is not None:
+        raise fail(f"{where}.kv_events", "not for a group (each replica publishes its own "
                    "events: list the replicas one by one)")
 
 

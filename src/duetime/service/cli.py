@@ -192,7 +192,8 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "instances (Qwen3 0.6B / 8B / 32B with H100 timing) in-process on loopback. "
                 "See docs/gateway.md for the config and the headers.")
     p.add_argument("--config", default=None, metavar="POOL.yaml",
-                   help="pool config (default: the embedded demo pool)")
+                   help="pool config (default: the embedded demo pool); re-read when it "
+                   "changes and on SIGHUP: instances join and drain without a restart")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, metavar="P",
                    help="port (default 8000; 0 = any free port)")

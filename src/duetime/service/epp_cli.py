@@ -88,8 +88,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "and the envoy.lb metadata. Health: grpc.health.v1 (liveness, readiness). "
                 "See docs/kubernetes.md.")
     p.add_argument("--config", required=True, metavar="POOL.yaml",
-                   help="the pool config (as duetime serve's); each instance's url is a pod "
-                   "of the InferencePool (an IP, or a DNS name looked up every 10 s)")
+                   help="the pool config (as duetime serve's): each instance a pod of the "
+                   "InferencePool (a url: an IP, or a DNS name looked up every 10 s), or a "
+                   "group (discover: dns, or kubernetes: the pool's ready pods, watched); "
+                   "re-read when it changes and on SIGHUP")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=port, default=9002, metavar="P",
                    help="ext_proc gRPC port (default 9002, the extension's; 0 = any free port)")
