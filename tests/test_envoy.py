@@ -32,6 +32,7 @@ from test_epp import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "docs" / "envoy" / "envoy-epp.yaml"
+FALLBACKS = REPO / "docs" / "envoy" / "envoy-epp-fallbacks.yaml"
 PRICE = {"prompt": 0.1, "output": 0.3}
 
 
@@ -62,14 +63,24 @@ def pool() -> dict[str, Any]:
 
 
 class Envoy:
-    """An Envoy process from the documented config, on free loopback ports."""
+    """An Envoy process from a documented config (``config``: envoy-epp.yaml, or with
+    ``endpoints``, envoy-epp-fallbacks.yaml over them), on free loopback ports."""
 
-    def __init__(self, tmp: Path, epp_port: int, *, failure_mode_allow: bool) -> None:
+    def __init__(self, tmp: Path, epp_port: int, *, failure_mode_allow: bool,
+                 endpoints: list[str] | None = None, retries: int = 2) -> None:
         self.port, self.admin = free_port(), free_port()
-        cfg = Template(CONFIG.read_text()).substitute(
+        more: dict[str, Any] = {}
+        config = CONFIG
+        if endpoints is not None:
+            config = FALLBACKS
+            more = {"RETRIES": retries, "ENDPOINTS": json.dumps([
+                {"endpoint": {"address": {"socket_address": {
+                    "address": e.rsplit(":", 1)[0], "port_value": int(e.rsplit(":", 1)[1])}}}}
+                for e in endpoints])}
+        cfg = Template(config.read_text()).substitute(
             LISTEN_HOST="127.0.0.1", LISTEN_PORT=self.port, ADMIN_PORT=self.admin,
             EPP_HOST="127.0.0.1", EPP_PORT=epp_port,
-            FAILURE_MODE_ALLOW=str(failure_mode_allow).lower())
+            FAILURE_MODE_ALLOW=str(failure_mode_allow).lower(), **more)
         path = tmp / "envoy.yaml"
         path.write_text(cfg)
         self.log = tmp / "envoy.log"
@@ -102,13 +113,18 @@ class Envoy:
 
 @contextlib.asynccontextmanager
 async def behind_envoy(tmp: Path, *, failure_mode_allow: bool = False,
-                       cfg: dict[str, Any] | None = None
+                       cfg: dict[str, Any] | None = None, fallbacks: int = 0
                        ) -> AsyncIterator[tuple[PickerService, Envoy, httpx.AsyncClient]]:
     """The picker over the pool (``cfg``, else :func:`pool`), Envoy in front of it, and a
-    client of Envoy."""
+    client of Envoy (with ``fallbacks``: the picker returns as many after its choice, and
+    Envoy is the fallbacks config over the pool's endpoints)."""
     svc = await PickerService(pool_from_dict(cfg or pool(), "test"), host="127.0.0.1",
-                              port=0).start()
-    envoy = Envoy(tmp, svc.port, failure_mode_allow=failure_mode_allow)
+                              port=0, fallbacks=fallbacks).start()
+    eps = None
+    if fallbacks:
+        assert svc.picker is not None
+        eps = list(svc.picker.endpoints.by_name.values())
+    envoy = Envoy(tmp, svc.port, failure_mode_allow=failure_mode_allow, endpoints=eps)
     try:
         await envoy.ready()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{envoy.port}",
@@ -223,3 +239,46 @@ def test_an_instance_killed_mid_run_leaves_the_rotation(tmp_path):
     assert out
     assert [(r.status_code, r.headers.get("x-duetime-instance")) for r in after] == [
         (200, "c")] * 6
+
+
+def test_envoy_tries_the_pickers_fallbacks(tmp_path):
+    """`duetime epp --fallbacks 2` behind the fallbacks config (override-host load balancing,
+    a retry policy): the picker's choice `a` (the cheaper of two `big` instances) is dead and
+    not yet ejected (probes every 30 s); Envoy moves to the next endpoint of the list, every
+    answer is a 200 from `c`, and the picker, told where each was served, counts it there."""
+    async def go():
+        cfg = pool()
+        cfg["health"] = {"interval_s": 30.0}
+        cfg["instances"][0]["price_usd_per_mtok"] = {"prompt": 0.01, "output": 0.03}
+        cfg["instances"].append({**cfg["instances"][0], "name": "c", "price_usd_per_mtok": PRICE,
+                                 "emulate": {"speed": 4.0, "seed": 2}})
+        async with behind_envoy(tmp_path, cfg=cfg, fallbacks=2) as (svc, _, c):
+            first = await c.post("/v1/chat/completions", json=chat(model="big"))
+            await svc.instances.emulator_servers["a"].stop(force=True)
+            after = [await c.post("/v1/chat/completions", json=chat(model="big"))
+                     for _ in range(4)]
+            streamed = []
+            async with c.stream("POST", "/v1/chat/completions",
+                                json=chat(model="big", stream=True)) as r:
+                streamed_status = r.status_code, r.headers.get("x-duetime-instance")
+                async for line in r.aiter_lines():
+                    if line:
+                        streamed.append(line)
+            ended = await wait_for(lambda: not any(s.flights for s in svc.gateway.instances))
+            get = svc.gateway.metrics.registry.get_sample_value
+            chosen = {n: get("duetime_decisions_total", {"instance": n, "model": "big"})
+                      for n in ("a", "c")}
+            return first, after, streamed_status, streamed, ended, chosen
+
+    first, after, streamed_status, streamed, ended, chosen = run(go())
+    # the picker chose a every time (6), the data plane served 5 on c: each counted there
+    assert chosen == {"a": 6.0, "c": 5.0}
+    assert first.status_code == 200 and first.headers["x-duetime-instance"] == "a"
+    c_port = None
+    for r in after:
+        assert r.status_code == 200, r.text[:200]
+        assert r.headers["x-duetime-instance"] == "c"  # (the picker moved it: served by c)
+        c_port = r.headers["x-gateway-destination-endpoint-served"]
+    assert c_port is not None and c_port.startswith("127.0.0.1:")
+    assert streamed_status == (200, "c") and streamed[-1] == "data: [DONE]"
+    assert ended

@@ -281,7 +281,7 @@ class Exchange:
         with contextlib.suppress(ValueError):
             self.status = int(h.get(":status", "0"))
         self.streaming = "text/event-stream" in h.get("content-type", "")
-        served = messages.served_endpoint(msg)
+        served = messages.served_endpoint(msg, h)
         if served is not None and served != self.endpoint and self.attempt is not None:
             self._moved(served)
         extra: list[tuple[str, str]] = []

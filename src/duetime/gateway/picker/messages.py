@@ -67,13 +67,17 @@ def subset_hint(req: pb.ProcessingRequest) -> list[str] | None:
     return [e.strip() for e in v.string_value.split(",") if e.strip()]
 
 
-def served_endpoint(req: pb.ProcessingRequest) -> str | None:
-    """The endpoint that served the response (``envoy.lb`` /
-    ``x-gateway-destination-endpoint-served``), when the data plane reports it."""
-    if not req.HasField("metadata_context"):
-        return None
-    v = _field(req.metadata_context, LB_NAMESPACE, SERVED)
-    return None if v is None or not v.string_value else v.string_value
+def served_endpoint(req: pb.ProcessingRequest,
+                    headers: dict[str, str] | None = None) -> str | None:
+    """The endpoint that served the response, when the data plane reports it: the
+    ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` metadata, or the response header
+    of that name (``headers``; e.g. Envoy's ``%UPSTREAM_HOST%``, docs/envoy)."""
+    if req.HasField("metadata_context"):
+        v = _field(req.metadata_context, LB_NAMESPACE, SERVED)
+        if v is not None and v.string_value:
+            return v.string_value
+    found = (headers or {}).get(SERVED)
+    return found.strip() if found else None
 
 
 def _set(headers: list[tuple[str, str]]) -> pb.HeaderMutation:
