@@ -107,8 +107,8 @@ def test_dns_groups_expand_to_one_member_per_address():
 
 @pytest.mark.parametrize("entry, error", [
     ({"url": "http://10.0.0.1:8000"}, "discover: dns needs a host name in the url"),
-    ({"url": "http://x.test", "kv_events": "tcp://x.test:5557"}, "kv_events: not for a DNS"),
-    ({"url": "http://x.test", "name": "g@1"}, "name: a DNS group's name may not contain"),
+    ({"url": "http://x.test", "kv_events": "tcp://x.test:5557"}, "kv_events: not for a group"),
+    ({"url": "http://x.test", "name": "g@1"}, "name: a group's name may not contain"),
 ])
 def test_dns_group_config_errors(entry, error):
     g = {"name": "g", "model": "small", "profile": "qwen3-0.6b", "price_usd_per_mtok": PRICE,

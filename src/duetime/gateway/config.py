@@ -515,12 +515,7 @@ def _check_dns_group(s: _InstanceIn, where: str, fail: Fail) -> None:
     else:
         raise fail(f"{where}.discover", f"dns needs a host name in the url, not the address "
                    f"{host!r}")
-    if "@" in s.name:
-        raise fail(f"{where}.name", "a DNS group's name may not contain '@' (its members are "
-                   "named NAME@ADDRESS)")
-    if s.kv_events is not None:
-        raise fail(f"{where}.kv_events", "not for a DNS group (each replica publishes its own "
-                   "events: list the replicas one by one)")
+    _check_group(s, where, "ADDRESS", fail)
 
 
 def _check_pod_group(s: _InstanceIn, where: str, fail: Fail) -> None:
@@ -531,9 +526,14 @@ def _check_pod_group(s: _InstanceIn, where: str, fail: Fail) -> None:
     if s.url is not None or s.emulate is not None:
         raise fail(where, "discover: kubernetes takes its pods' addresses from the "
                    "InferencePool: no url or emulate")
+    _check_group(s, where, "POD", fail)
+
+
+def _check_group(s: _InstanceIn, where: str, member: str, fail: Fail) -> None:
+    """What any group needs: a name its members' names extend, and no instance-only settings."""
     if "@" in s.name:
-        raise fail(f"{where}.name", "a group's name may not contain '@' (its members are "
-                   "named NAME@POD)")
+        raise fail(f"{where}.name", f"a group's name may not contain '@' (its members are "
+                   f"named NAME@{member})")
     if s.kv_events is not None:
         raise fail(f"{where}.kv_events", "not for a group (each replica publishes its own "
                    "events: list the replicas one by one)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -60,6 +61,25 @@ class RedisConnection:
                         extra={"fields": {"event": "store_down", "op": op,
                                           "error": f"{type(err).__name__}: {err}"[:200]}})
         self.up = False
+
+    async def subscribe(self, channel: str,
+                        handle: Callable[[object], Awaitable[None]]) -> None:
+        """Until cancelled: each message published on ``channel`` (its ``data``) handed to
+        ``handle``; resubscribed every :data:`RETRY_S` while Redis is down (quietly: the
+        flights' sync reports it)."""
+        while True:
+            still_running()
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for msg in pubsub.listen():
+                    await handle(msg.get("data"))
+            except FAILURES:
+                still_running()
+            finally:
+                with contextlib.suppress(*FAILURES):
+                    await pubsub.aclose()
+            await asyncio.sleep(RETRY_S)
 
     async def close(self) -> None:
         with contextlib.suppress(*FAILURES):

@@ -320,24 +320,13 @@ class RedisFlightStore:
 
     async def _notices(self) -> None:
         """Peers publish a notice with each write: wake the sync to read them at once."""
-        channel = self.conn.key("notices")
-        while True:
-            still_running()
-            pubsub = self.conn.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                await pubsub.subscribe(channel)
-                async for msg in pubsub.listen():
-                    peer = msg.get("data")
-                    if peer != self.replica:
-                        if isinstance(peer, str) and peer not in self._cursors:
-                            self._resync.add(peer)  # (a new replica: read it whole)
-                        self._wake.set()
-            except FAILURES:  # (the sync notices and logs; this retries quietly)
-                still_running()
-            finally:
-                with contextlib.suppress(*FAILURES):
-                    await pubsub.aclose()
-            await asyncio.sleep(RETRY_S)
+        async def notice(peer: object) -> None:
+            if peer != self.replica:
+                if isinstance(peer, str) and peer not in self._cursors:
+                    self._resync.add(peer)  # (a new replica: read it whole)
+                self._wake.set()
+
+        await self.conn.subscribe(self.conn.key("notices"), notice)
 
     async def sync(self) -> None:
         """One sync: write this replica's changes (when it has any, or its heartbeat is due)

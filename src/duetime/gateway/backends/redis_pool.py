@@ -12,8 +12,6 @@ replica asks the same DNS.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -22,9 +20,7 @@ from collections.abc import Awaitable, Callable
 
 from duetime.gateway.backends.redis_connection import (
     FAILURES,
-    RETRY_S,
     RedisConnection,
-    still_running,
 )
 
 log = logging.getLogger("duetime.gateway")
@@ -42,7 +38,6 @@ class SharedPoolConfig:
     def __init__(self, conn: RedisConnection, replica: str) -> None:
         self.conn = conn
         self.replica = replica
-        self.sent: str | None = None  # the digest of the last text this replica published
 
     async def publish(self, text: str) -> None:
         """This replica applied ``text``: the others follow (best effort: Redis down, they
@@ -54,30 +49,20 @@ class SharedPoolConfig:
             pipe.set(self.conn.key("pool"), body)
             pipe.publish(self.conn.key("pool-notices"), self.replica)
             await pipe.execute()
-            self.sent = digest(text)
         except FAILURES as e:
             self.conn.failed("pool_publish", e)
 
     async def follow(self, on_config: OnConfig) -> None:
         """Until cancelled: each config another replica publishes, handed to ``on_config``."""
-        channel = self.conn.key("pool-notices")
-        while True:
-            still_running()
-            pubsub = self.conn.client.pubsub(ignore_subscribe_messages=True)
+        async def notice(by: object) -> None:
+            if by == self.replica:
+                return
+            raw = await self.conn.client.get(self.conn.key("pool"))
             try:
-                await pubsub.subscribe(channel)
-                async for msg in pubsub.listen():
-                    if msg.get("data") == self.replica:
-                        continue
-                    raw = await self.conn.client.get(self.conn.key("pool"))
-                    if raw is None:
-                        continue
-                    body = json.loads(raw)
-                    if body.get("by") != self.replica and isinstance(body.get("text"), str):
-                        await on_config(body["text"], str(body.get("by")))
-            except FAILURES:  # (the flights' sync reports Redis down; this retries quietly)
-                still_running()
-            finally:
-                with contextlib.suppress(*FAILURES):
-                    await pubsub.aclose()
-            await asyncio.sleep(RETRY_S)
+                body = json.loads(raw) if raw is not None else {}
+            except ValueError:  # (not ours: leave it)
+                return
+            if body.get("by") != self.replica and isinstance(body.get("text"), str):
+                await on_config(body["text"], str(body.get("by")))
+
+        await self.conn.subscribe(self.conn.key("pool-notices"), notice)
