@@ -329,7 +329,7 @@ CHURN = ([0, 1, 2, 3], [0, 2, 3], [0, 2, 3, 4], [0, 3, 4], [0, 1, 3, 4], [0, 1, 
 async def churn(cl: Cluster, done: asyncio.Event, every_s: float,
                 changes: dict[tuple[float, str, str], None]) -> None:
     """Change the pool config every ``every_s`` (each pool of :data:`CHURN` in turn), kill
-    i0 after the third change and restart it 2 s later; then wait ``every_s`` more (the last
+    i3 after the third change and restart it 2 s later; then wait ``every_s`` more (the last
     changes settle) and set ``done``. ``changes``: the gateway's membership changes seen
     (polled from /duetime/instances)."""
     async def watch() -> None:
@@ -346,10 +346,10 @@ async def churn(cl: Cluster, done: asyncio.Event, every_s: float,
     for step, members in enumerate(CHURN, 1):
         await asyncio.sleep(every_s)
         cl.write_pool(members)
-        if step == 3:
-            cl.kill(0)
+        if step == 3:  # (i3 serves the clients' model then: its streams break mid-answer)
+            cl.kill(3)
             await asyncio.sleep(2.0)
-            await cl.restart(0)
+            await cl.restart(3)
     await asyncio.sleep(every_s)
     done.set()
     await watcher
@@ -358,7 +358,7 @@ async def churn(cl: Cluster, done: asyncio.Event, every_s: float,
 def churn_report(tally: Tally, changes: dict[tuple[float, str, str], None]) -> str:
     """How soon each instance that became ready got an answer to send (an upper bound on its
     first request: the answer's headers come after its first token), and how many requests
-    sent after an instance's drain it served (must be none)."""
+    sent after an instance's drain it answered while out of the pool (must be none)."""
     events = sorted(changes)
     firsts, late = [], 0
     for t, change, name in events:
@@ -368,9 +368,16 @@ def churn_report(tally: Tally, changes: dict[tuple[float, str, str], None]) -> s
             tally.notes.append(f"    {name} ready at {t:.2f}: first answer after "
                                f"{firsts[-1]:.2f} s")
         elif change == "drain":
-            back = [u for u, c, n in events if n == name and c == "join" and u > t]
+            # (until it is back: a request sent just before its return may be routed to it
+            # once it is ready again, so answers from then on are not counted)
+            back = [u for u, c, n in events if n == name and c == "ready" and u > t]
             until = min(back, default=math.inf)
-            late += sum(1 for sent, _, i in tally.served if i == name and t < sent < until)
+            bad = [(sent, h) for sent, h, i in tally.served
+                   if i == name and t < sent < until and h < until]
+            late += len(bad)
+            for sent, h in bad[:3]:
+                tally.notes.append(f"    {name} drained at {t:.3f}: a request sent at "
+                                   f"{sent:.3f} was answered by it at {h:.3f}")
     counts = {c: sum(1 for _, x, _ in events if x == c) for c in
               ("join", "ready", "drain", "leave")}
     tally.churn = {"changes": counts, "first_answer_s": firsts, "served_after_drain": late}

@@ -43,8 +43,9 @@ def test_nothing_is_lost(name: str) -> None:
         assert tally.churn["changes"] == {"join": 4, "ready": 4, "drain": 4, "leave": 4}, \
             tally.notes[:1]
         assert tally.churn["served_after_drain"] == 0, tally.notes[:1]
-        # (how soon a ready instance serves is the policy's call under the load it sees:
-        # sfs sends a request to the best utility that meets its target, not to the idlest;
-        # benchmarks/reliability.py reports it)
+        # every instance that became ready served before it was removed (each stays two
+        # changes at least; an idle replica has the least forecast of its model's); how
+        # soon is benchmarks/reliability.py's to report
+        assert all(t < float("inf") for t in tally.churn["first_answer_s"]), tally.notes[:6]
     if name == "sigterm":
         assert row.rstrip(" |").endswith("| 0"), row  # drained in time: a clean exit
