@@ -29,34 +29,24 @@ from starlette.routing import BaseRoute, Route
 
 from duetime.engine.warmup import warm_up
 from duetime.gateway.backends import SharedState, open_shared_state
-from duetime.gateway.changes import (
-    Endpoint,
-    InstanceChanges,
-    check_live,
-    groups,
-    instance_changes,
-    members_of,
-    moved,
-)
+from duetime.gateway.changes import InstanceChanges, check_live, members_of
 from duetime.gateway.config import ConfigError, Instance, Pool
-from duetime.gateway.dns import DnsLookup, LookupFailed
 from duetime.gateway.intake.admission import Admission, AdmissionQueue
 from duetime.gateway.intake.auth import Auth, KeyMetering
 from duetime.gateway.intake.policies import PolicyBook
 from duetime.gateway.intake.ratelimit import Limiter
 from duetime.gateway.intake.request import Intake
-from duetime.gateway.kubernetes import PodWatch
 from duetime.gateway.observe.admin import admin_routes
 from duetime.gateway.observe.attempt_metrics import AttemptMetrics
 from duetime.gateway.observe.observatory import Observatory
 from duetime.gateway.observe.openapi import openapi_document
 from duetime.gateway.observe.pages import page_routes
-from duetime.gateway.picker.endpoints import endpoint_address
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.relay.attempt import AttemptRunner
 from duetime.gateway.relay.handler import CompletionHandler
 from duetime.gateway.relay.retries import Relay
 from duetime.gateway.routing.router import Router
+from duetime.gateway.state.discovery import Discovery
 from duetime.gateway.state.health import EjectionBudget
 from duetime.gateway.state.instance import InstanceState
 from duetime.gateway.state.lifecycle import Lifecycle, Subscriber
@@ -90,13 +80,10 @@ class Gateway:
         self.load = GatewayLoad(pool.admission.cpu_window_s)
         self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics)
         self.budget = EjectionBudget(0, pool.health.max_ejected_fraction)
-        # the instances as configured (each member's: its own may have adopted what it
-        # reported since), and each group's members as last discovered (DNS, Kubernetes)
-        self.configured: dict[str, Instance] = {}
-        self.endpoints: dict[str, list[Endpoint]] = {}
-        self.pod_watches: dict[str, PodWatch] = {}
-        self.membership = Membership(self._instances(members_of(pool, {})), self.metrics)
+        first = members_of(pool, {})  # (groups join once discovered: at start)
+        self.membership = Membership([self._instance(i) for i in first], self.metrics)
         self.budget.size = len(self.membership)
+        self.discovery = Discovery(pool, self.membership, first, self._instance, self.started)
         self.observatory = Observatory([s.name for s in self.membership])
         self.lifecycle = Lifecycle(self._subscribers())
         self.membership.listeners += [self._on_change, self.observatory.on_membership]
@@ -112,23 +99,17 @@ class Gateway:
                                metrics=LOAD in needs or src == "metrics")
         self.handler = CompletionHandler(self.intake, self.relay, self.pollers, self.metrics)
         self.draining = asyncio.Event()  # set when the server stops: event streams end
-        self.dns = DnsLookup(pool.discovery)
-        self._dns_task: asyncio.Task[None] | None = None
 
     @property
     def instances(self) -> list[InstanceState]:
         """The pool's members now (joining, serving and draining: :attr:`membership`)."""
         return list(self.membership)
 
-    def _instances(self, instances: list[Instance]) -> list[InstanceState]:
-        now = time.monotonic()
+    def _instance(self, i: Instance) -> InstanceState:
+        """The live state of a new member ``i``."""
         load = self.load if self.pool.admission.gateway_load else None
-        out = []
-        for i in instances:
-            self.configured[i.name] = i
-            out.append(InstanceState(i, self.pool, self.metrics, self.shared.flights, now,
-                                     budget=self.budget, load=load, peers=self.shared.peers))
-        return out
+        return InstanceState(i, self.pool, self.metrics, self.shared.flights, time.monotonic(),
+                             budget=self.budget, load=load, peers=self.shared.peers)
 
     # -- membership -------------------------------------------------------------------------------
 
@@ -142,111 +123,18 @@ class Gateway:
             raise ConfigError(f"{pool.source}: instances without a URL: {missing}")
         self.pool = pool
         self.intake.reconfigure(pool)
-        changes = self._sync(members_of(pool, self.endpoints), why)
-        if self.started():
-            self._watch_dns()
-            self._watch_pods()
-        return changes
-
-    def _sync(self, wanted: list[Instance], why: str) -> InstanceChanges:
-        """Make the members ``wanted``: new ones join, missing ones drain, changed ones are
-        reconfigured (one that moved, or was draining, joins again: out of rotation until a
-        probe passes)."""
-        live = [self.configured[s.name] for s in self.membership
-                if s.phase is not Phase.DRAINING]
-        changes = instance_changes(live, wanted)
-        for i in wanted:
-            s = self.membership.get(i.name)
-            if s is None:
-                (s,) = self._instances([i])
-                # its TTFT correction starts from the least of its serving siblings': an
-                # optimistic start gets it tried, and its own first tokens then correct it
-                # (a pessimistic one starved it: it learns only from requests it gets)
-                siblings = [o for o in self.membership.serving if o.model == i.model]
-                if siblings:
-                    s.ttft_correction.learn_from(min(
-                        (o.ttft_correction for o in siblings), key=lambda c: c.factor))
-                self.membership.join(s, why)
-                if s.events is not None and self.started():
-                    s.events.start()
-                continue
-            old = self.configured[i.name]
-            if old == i and s.phase is not Phase.DRAINING:
-                continue
-            self.configured[i.name] = i
-            had_events = s.events
-            s.reconfigure(i)
-            if s.events is not had_events and s.events is not None and self.started():
-                s.events.start()
-            self.membership.updated(s, why, rejoin=moved(old, i) or s.phase is Phase.DRAINING)
-        names = {i.name for i in wanted}
-        for s in self.membership:
-            if s.name not in names:
-                self.membership.drain(s, why)
-        return changes
+        return self.discovery.apply(pool, why)
 
     def _on_change(self, c: Change, s: InstanceState) -> None:
         """The ejection budget counts the members not draining; one that left is dropped."""
         self.budget.size = sum(m.phase is not Phase.DRAINING for m in self.membership)
         if c.change == "leave":
-            self.configured.pop(s.name, None)
             self.budget.ejected.discard(s.name)
             self.lifecycle.forget(s)
             with contextlib.suppress(KeyError):  # (its series end with it)
                 self.metrics.healthy.remove(s.name)
             if s.events is not None:
                 s.events.close()
-
-    async def resolve_groups(self) -> bool:
-        """Look up the pool's DNS groups once; their members follow. Returns whether any
-        group's addresses changed."""
-        changed = False
-        for g in groups(self.pool):
-            host, port = endpoint_address(g.url or "")
-            try:
-                found = await self.dns.addresses(host, port)
-            except LookupFailed as e:
-                log.warning("DNS group not looked up: members kept", extra={"fields": {
-                    "event": "dns_failed", "group": g.name, "error": str(e)}})
-                continue
-            eps: list[Endpoint] = [(a, a, None) for a in found]
-            if self.endpoints.get(g.name) != eps:
-                self.endpoints[g.name] = eps
-                changed = True
-        live = {g.name for g in self.pool.instances if g.discover != "none"}
-        for name in [n for n in self.endpoints if n not in live]:
-            del self.endpoints[name]
-            changed = True
-        if changed:
-            self._sync(members_of(self.pool, self.endpoints), "dns")
-        return changed
-
-    def _watch_pods(self) -> None:
-        """A watch of each InferencePool group's pods (the Kubernetes API, in a thread); a
-        group no longer in the pool has its watch stopped."""
-        wanted = {g.name: g for g in groups(self.pool, "kubernetes")}
-        for name in [n for n in self.pod_watches if n not in wanted]:
-            self.pod_watches.pop(name).stop()
-        for name, g in wanted.items():
-            if name not in self.pod_watches:
-                self.pod_watches[name] = PodWatch(
-                    g, self.pool.discovery.kubeconfig,
-                    functools.partial(self._pods_changed, name)).start()
-
-    def _pods_changed(self, group: str, endpoints: list[Endpoint]) -> None:
-        """An InferencePool group's ready pods now (on the event loop)."""
-        if group in self.pod_watches and self.endpoints.get(group) != endpoints:
-            self.endpoints[group] = endpoints
-            self._sync(members_of(self.pool, self.endpoints), "kubernetes")
-
-    def _watch_dns(self) -> None:
-        if groups(self.pool) and (self._dns_task is None or self._dns_task.done()):
-            self._dns_task = asyncio.get_running_loop().create_task(self._dns_loop())
-
-    async def _dns_loop(self) -> None:
-        while groups(self.pool):
-            await asyncio.sleep(self.pool.discovery.dns_interval_s)
-            await self.resolve_groups()
 
     def _subscribers(self) -> list[Subscriber]:
         """The pool-wide lifecycle subscribers, in order (after each instance's own: its
@@ -274,9 +162,7 @@ class Gateway:
         for s in self.instances:
             if s.events is not None:
                 s.events.start()
-        await self.resolve_groups()  # (their members join: probed before they get requests)
-        self._watch_dns()
-        self._watch_pods()
+        await self.discovery.start()  # (groups' members join: probed before they serve)
 
     def drain(self) -> None:
         """The server is stopping: the dashboard's event streams end (an endless stream would
@@ -285,14 +171,7 @@ class Gateway:
 
     async def close(self) -> None:
         self.drain()
-        for watch in self.pod_watches.values():
-            watch.stop()
-        self.pod_watches.clear()
-        if self._dns_task is not None:
-            self._dns_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._dns_task
-            self._dns_task = None
+        await self.discovery.close()
         await self.pollers.stop()
         await self.shared.close()
         for s in self.instances:

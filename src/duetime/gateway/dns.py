@@ -13,10 +13,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from urllib.parse import urlsplit
 
 from duetime.gateway.config import DiscoverySpec, dns_server_address
 
 log = logging.getLogger("duetime.gateway")
+
+
+def endpoint_address(url: str) -> tuple[str, int]:
+    """Host and port of an instance URL (the scheme's default port when none is given)."""
+    u = urlsplit(url)
+    if u.hostname is None:
+        raise ValueError(f"instance URL without a host: {url!r}")
+    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
 
 
 class LookupFailed(Exception):

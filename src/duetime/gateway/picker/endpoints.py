@@ -8,22 +8,14 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from urllib.parse import urlsplit
 
+from duetime.gateway.dns import endpoint_address
 from duetime.gateway.state.instance import InstanceState
 from duetime.gateway.state.membership import Change, Membership
 
 log = logging.getLogger("duetime.gateway")
 
 RESOLVE_INTERVAL_S = 10.0  # instance host names are looked up again this often
-
-
-def endpoint_address(url: str) -> tuple[str, int]:
-    """Host and port of an instance URL (the scheme's default port when none is given)."""
-    u = urlsplit(url)
-    if u.hostname is None:
-        raise ValueError(f"instance URL without a host: {url!r}")
-    return u.hostname, u.port or (443 if u.scheme == "https" else 80)
 
 
 def join(host: str, port: int) -> str:
