@@ -3,7 +3,7 @@ build; ``scripts/vllm_cpu/setup_env.sh``), calibrate it with ``duetime calibrate
 run ``duetime validate`` against it with that calibration as the profile.
 
     python benchmarks/validate_vllm.py [--model tiny-large|tiny-small]
-        [--gateway | --via direct,serve,envoy] [--out DIR] [-- VALIDATE OPTIONS...]
+        [--gateway | --via direct,serve,serve-steps,envoy] [--out DIR] [-- VALIDATE OPTIONS...]
 
 Everything after ``--`` goes to ``duetime validate`` (default: ``--loads 0.25,0.5,0.75
 --requests 100``). The server runs with the e2e fixture's flags (prefix caching and KV events
@@ -12,7 +12,8 @@ server's API process and the gateway off that core. With ``--gateway`` the workl
 serve`` over that one server (its calibration, the e2e suite's pool settings, the online
 correction on; the gateway kept off the engine's core), so the report also has the gateway's
 live forecasts. ``--via`` runs the workload once per front, in turn, on the same server and
-calibration: ``direct``, ``serve`` (as ``--gateway``) and ``envoy`` (a real Envoy,
+calibration: ``direct``, ``serve`` (as ``--gateway``), ``serve-steps`` (the same with the
+online step-time correction, ``state.step_correction``) and ``envoy`` (a real Envoy,
 docs/envoy/envoy-epp.yaml, in front of ``duetime epp`` over the same pool: the picker's live
 forecasts), then compares the live forecasts' errors. Prints the reports' tables and where it
 wrote them.
@@ -42,7 +43,8 @@ def main() -> None:
                     help="drive the server through a duetime gateway (live forecasts)")
     ap.add_argument("--via", default=None, metavar="FRONTS",
                     help="comma-separated fronts to drive it through, one run each: direct, "
-                    "serve (= --gateway), envoy (Envoy and duetime epp)")
+                    "serve (= --gateway), serve-steps (serve with state.step_correction), "
+                    "envoy (Envoy and duetime epp)")
     ap.add_argument("--out", default=None, help="report folder (default: a temporary one "
                     "under .cache)")
     ap.add_argument("rest", nargs=argparse.REMAINDER, help="-- duetime validate options")
@@ -54,7 +56,7 @@ def main() -> None:
     from tests.e2e.gateway_pool import instance_config, pool_config, serve
 
     fronts = (args.via or ("serve" if args.gateway else "direct")).split(",")
-    bad = [f for f in fronts if f not in ("direct", "serve", "envoy")]
+    bad = [f for f in fronts if f not in ("direct", "serve", "serve-steps", "envoy")]
     if bad:
         raise SystemExit(f"validate_vllm: --via: unknown front(s) {bad}")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(
@@ -76,6 +78,10 @@ def main() -> None:
                 url = server.base_url
                 if front == "serve":
                     _, url = running.enter_context(serve(cfg, out))
+                elif front == "serve-steps":  # (with the online step-time correction)
+                    _, url = running.enter_context(serve(
+                        {**cfg, "state": {**cfg.get("state", {}), "step_correction": True}},
+                        out))
                 elif front == "envoy":
                     url = running.enter_context(envoy_and_picker(cfg, out))
                 cmd = [sys.executable, "-m", "duetime", "validate", url, "--model",
@@ -90,6 +96,10 @@ def main() -> None:
             print(f"\n{front}:")
             print("\n".join(line for line in text.splitlines() if line.startswith("|")))
             print(f"validate_vllm: wrote {report}")
+    if "serve" in live and "serve-steps" in live:
+        (s50, s90), (c50, c90) = live["serve"], live["serve-steps"]
+        print(f"\nlive TTFT forecasts, |error| median / p90: duetime serve {s50:.1%} / "
+              f"{s90:.1%}; with the step correction {c50:.1%} / {c90:.1%}")
     if "serve" in live and "envoy" in live:
         (s50, s90), (e50, e90) = live["serve"], live["envoy"]
         print(f"\nlive TTFT forecasts, |error| median / p90: duetime serve {s50:.1%} / "

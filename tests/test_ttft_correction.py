@@ -99,3 +99,70 @@ def test_the_gateway_tracks_an_instance_that_slows_down() -> None:
         first.headers["x-duetime-forecast-ttft-ms"])
     assert grown == pytest.approx(after[-1] / before, rel=0.1)
     assert 'duetime_ttft_correction{instance="e"}' in metrics
+
+
+def test_the_step_correction_is_the_median_of_token_ratios() -> None:
+    from duetime.estimate.correction import StepCorrection
+
+    c = StepCorrection(window=4, min_samples=2, tokens_per_sample=10)
+    c.observe(20, 10)  # the replica made twice the instance's tokens: steps take twice as long
+    assert c.factor == 1.0  # (one sample: still learning)
+    c.observe(10, 5)
+    c.observe(10, 5)
+    assert c.factor == pytest.approx(2.0)
+    c.applied = 2.0  # (the replica now steps at the corrected time: it keeps pace)
+    for _ in range(4):
+        c.observe(10, 10)
+    assert c.factor == pytest.approx(2.0)
+    for _ in range(4):
+        c.observe(1000, 10)  # bounded
+    assert c.factor == 4.0
+    c.observe(-1, 5)  # (a replica that moved back: ignored)
+    with pytest.raises(ValueError):
+        StepCorrection(window=2, min_samples=3)
+
+
+def test_the_replica_steps_at_the_pace_the_instance_streams() -> None:
+    """``state.step_correction``: one emulated instance streaming 32-token answers to four
+    clients; the replica's step factor settles, then, after the emulator is made three times
+    slower, follows it (the factor grows about threefold: a ratio of one run's factors, so
+    the machine's own pace cancels out)."""
+    import asyncio
+
+    from test_gateway import PRICE, gateway, run
+
+    cfg = {"policy": "sfs", "quality": {"workload": None, "tasks": {"chat": {"m": 0.5}}},
+           "instances": [{"name": "e", "model": "m", "profile": "qwen3-8b",
+                          "emulate": {"speed": 2.0, "enable_prefix_caching": False},
+                          "price_usd_per_mtok": PRICE}],
+           "state": {"source": "shadow", "step_correction": True}}
+
+    async def go():
+        async with gateway(cfg) as (svc, c):
+            inst = svc.gateway.instances[0]
+
+            async def stream() -> None:
+                body = {"model": "m", "prompt": "go", "max_tokens": 32, "stream": True,
+                        "ignore_eos": True}
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    await r.aread()
+
+            async def load(n: int) -> None:
+                async def worker() -> None:
+                    for _ in range(n):
+                        await stream()
+                await asyncio.gather(*(worker() for _ in range(4)))
+
+            await load(12)
+            before = inst.step_correction.applied
+            svc.emulators["e"].set_speed(2.0 / 3)
+            await load(12)
+            after = inst.step_correction.applied
+            desc = (await c.get("/duetime/instances")).json()["instances"][0]
+            return before, after, desc
+
+    before, after, desc = run(go(), timeout=180)
+    print(f"\nstep factor before {before:.3f}, after the slowdown {after:.3f}")
+    assert 2.0 < after / before < 4.5, (before, after)
+    assert desc["step_correction"] == pytest.approx(after, abs=1e-3)

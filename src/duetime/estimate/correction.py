@@ -20,6 +20,7 @@ requests whose first token came before it arrived).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 
 
@@ -77,3 +78,50 @@ def correction_factor(view: object) -> float:
     """The view's TTFT correction factor (its ``ttft_correction``), 1 where it has none."""
     c = getattr(view, "ttft_correction", None)
     return 1.0 if c is None else c.factor
+
+
+class StepCorrection:
+    """A bounded multiplicative correction of an instance's step time, learnt from the tokens
+    it streams: over each stretch of at least ``tokens_per_sample`` observed decode tokens,
+    how many tokens the replica (stepping with the model as corrected so far) produced for
+    the same requests in the same time, against how many the instance did. The factor is the
+    median of the last ``window`` samples, bounded to ``[low, high]``, once ``min_samples``
+    are in (1 before): what to multiply the model's step time by.
+
+    Why beside the TTFT correction: that one scales whole forecasts and learns only from
+    first tokens, so a queue of decoding requests is priced with the idle-server step time
+    until enough first tokens arrive; loaded steps on vLLM's CPU backend cost 2-15% off what
+    the idle probes say (issue 31's measurements), and on a shared machine drift with the
+    load next door. Corrected step times move the replica's queue itself."""
+
+    __slots__ = ("_obs", "_samples", "_sim", "applied", "high", "low", "min_samples",
+                 "tokens_per_sample")
+
+    def __init__(self, *, window: int = 16, min_samples: int = 3, tokens_per_sample: int = 32,
+                 low: float = 0.25, high: float = 4.0) -> None:
+        if window < 1 or not 1 <= min_samples <= window or tokens_per_sample < 1:
+            raise ValueError(f"need 1 <= min_samples <= window and tokens_per_sample >= 1, "
+                             f"got {min_samples}, {window}, {tokens_per_sample}")
+        self._samples: deque[float] = deque(maxlen=window)
+        self.min_samples, self.tokens_per_sample = min_samples, tokens_per_sample
+        self.low, self.high = low, high
+        self.applied = 1.0  # the factor the replica steps with now
+        self._sim = self._obs = 0  # tokens of the stretch so far: the replica's, the instance's
+
+    @property
+    def factor(self) -> float:
+        s = self._samples
+        if len(s) < self.min_samples:
+            return 1.0
+        return min(self.high, max(self.low, statistics.median(s)))
+
+    def observe(self, replica_tokens: int, observed_tokens: int) -> None:
+        """Over one interval the replica (stepping with :attr:`applied`) produced
+        ``replica_tokens`` for the requests the instance produced ``observed_tokens`` for."""
+        if replica_tokens < 0 or observed_tokens < 0:
+            return
+        self._sim += replica_tokens
+        self._obs += observed_tokens
+        if self._obs >= self.tokens_per_sample and self._sim > 0:
+            self._samples.append(self.applied * self._sim / self._obs)
+            self._sim = self._obs = 0

@@ -149,6 +149,9 @@ class StateSpec(_Strict):
     # online correction of each instance's TTFT forecasts from the first tokens it delivers
     # (duetime.estimate.correction): on unless false
     ttft_correction: bool = True
+    # online correction of each instance's step time from the tokens it streams (the shadow
+    # replica's model; duetime.estimate.correction.StepCorrection): off unless true
+    step_correction: bool = False
     # where gateway replicas share live state (duetime.gateway.backends.redis_flights): a redis:// (or
     # rediss://, unix://) URL; unset: this process's memory only
     store: str | None = None

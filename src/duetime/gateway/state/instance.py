@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
-from duetime.estimate.correction import TtftCorrection
+from duetime.estimate.correction import StepCorrection, TtftCorrection
 from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.gateway.config import Instance, Pool
 from duetime.gateway.prometheus import GatewayMetrics
@@ -86,6 +86,8 @@ class InstanceState:
         self.ledger = Ledger(instance.name, flights)
         # what the instance really did corrects what its model forecasts (SfsEstimator reads it)
         self.ttft_correction = TtftCorrection(enabled=pool.state.ttft_correction)
+        # the replica's step time from the tokens the instance streams (state.step_correction)
+        self.step_correction = StepCorrection() if pool.state.step_correction else None
         self._sync_interval_s = pool.state.sync_interval_s
         # vLLM's KV events, where the instance publishes them: the precise view of its cache
         self.events = (EventCache(instance.name, instance.kv_events)
@@ -105,7 +107,8 @@ class InstanceState:
 
     def _replica(self, now: float) -> None:
         """A new shadow replica of the instance as configured now."""
-        self.shadow = ShadowReplica(self.name, self.instance.spec, now, self._sync_interval_s)
+        self.shadow = ShadowReplica(self.name, self.instance.spec, now, self._sync_interval_s,
+                                    self.step_correction)
         # what cache-aware policies read: the replica's cache, the gateway's estimate of the
         # instance's (see duetime.gateway.state.shadow)
         self.prefix_index = (EngineCacheIndex(self.shadow.engine)
@@ -349,6 +352,8 @@ class InstanceState:
                 "running": len(snap.running_table), "waiting": len(snap.waiting_table),
                 "kv_usage": round(self.kv_usage, 4),
                 "ttft_correction": round(self.ttft_correction.factor, 4),
+                "step_correction": None if self.step_correction is None else round(
+                    self.step_correction.applied, 4),
                 "prefix_cache": None if self.prefix_index is None else {
                     "source": self.cache_source,
                     "block_size": self.instance.config.block_size,

@@ -31,6 +31,7 @@ from duetime.engine.engine import Engine
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec
+from duetime.estimate.correction import StepCorrection
 from duetime.gateway.state.flight import Flight
 from duetime.gateway.state.lifecycle import Attempt, Subscriber
 
@@ -41,11 +42,18 @@ class ShadowReplica(Subscriber):
     """The replica of one instance (``name``, for logs)."""
 
     def __init__(self, name: str, spec: InstanceSpec, now: float,
-                 sync_interval_s: float) -> None:
+                 sync_interval_s: float, steps: StepCorrection | None = None) -> None:
+        """``steps``: the instance's step-time correction, learnt here from the streamed
+        token counts and applied to the replica's model (None: the model as calibrated)."""
         self.name = name
+        self.model = spec.batch_time
         self.engine = Engine(spec.config, spec.batch_time, time=now, retain_finished=False)
         self.sync_interval_s = sync_interval_s
         self._last_sync = -math.inf
+        self.steps = steps
+        self._synced: dict[str, int] = {}  # running flights' token counts at the last sync
+        if steps is not None and steps.applied != 1.0:
+            self.engine.set_model(self.model.scaled(1.0 / steps.applied))
 
     @property
     def idle(self) -> bool:
@@ -70,8 +78,37 @@ class ShadowReplica(Subscriber):
         self._last_sync = now
         fl = [f for f in flights if f.tokens >= 1 and f.shadowed]
         if fl:
+            if self.steps is not None:
+                self._learn_steps(fl)
             outs = np.fromiter((f.tokens for f in fl), dtype=np.int64, count=len(fl))
             self.engine.observe_many([f.id for f in fl], outs)
+            if self.steps is not None:
+                running = set(self.engine.running_ids())
+                self._synced.update((f.id, f.tokens) for f in fl if f.id in running)
+
+    def _learn_steps(self, fl: list[Flight]) -> None:
+        """Since the last sync (or its first token) the replica stepped each running request
+        on from the count the instance had streamed then: its tokens against the instance's
+        teach the step correction, and a factor that moved by more than 5% is applied to the
+        replica's model."""
+        steps, eng = self.steps, self.engine
+        assert steps is not None
+        ids = [f.id for f in fl if f.id in self._synced and eng.has(f.id)]
+        if ids:
+            replica = eng.lookup(ids).output
+            base = np.fromiter((self._synced[i] for i in ids), dtype=np.int64, count=len(ids))
+            now_obs = {f.id: f.tokens for f in fl}
+            observed = np.fromiter((now_obs[i] for i in ids), dtype=np.int64, count=len(ids))
+            steps.observe(int((replica - base).sum()), int((observed - base).sum()))
+        self._apply_steps()
+
+    def _apply_steps(self) -> None:
+        steps = self.steps
+        assert steps is not None
+        factor = steps.factor
+        if abs(factor / steps.applied - 1.0) > 0.05:
+            steps.applied = factor
+            self.engine.set_model(self.model.scaled(1.0 / factor))
 
     def snapshot(self) -> Snapshot:
         """The replica as of its last refresh (built once per state)."""
@@ -97,11 +134,22 @@ class ShadowReplica(Subscriber):
         if flight.shadowed:
             self._advance(now)
             self.engine.observe(flight.id, flight.tokens)
+            if self.steps is not None:
+                self._synced[flight.id] = flight.tokens
 
-    def leave(self, flight: Flight) -> None:
-        """The request ended (finished, failed or cancelled): it leaves the replica."""
-        if flight.shadowed:
-            self.engine.abort(flight.id)
+    def leave(self, flight: Flight, now: float | None = None) -> None:
+        """The request ended (finished, failed or cancelled; at ``now``, where known): it
+        leaves the replica — with the step correction, after its last stretch taught it."""
+        if not flight.shadowed:
+            return
+        base = self._synced.pop(flight.id, None)
+        if self.steps is not None and base is not None and now is not None \
+                and self.engine.has(flight.id):
+            self._advance(now)
+            replica = int(self.engine.lookup([flight.id]).output[0])
+            self.steps.observe(replica - base, flight.tokens - base)
+            self._apply_steps()
+        self.engine.abort(flight.id)
 
     # -- as a lifecycle subscriber ----------------------------------------------------------------
 
@@ -113,4 +161,4 @@ class ShadowReplica(Subscriber):
         self.observe_first(a.flight, a.flight.first_token)
 
     def on_end(self, a: Attempt) -> None:
-        self.leave(a.flight)
+        self.leave(a.flight, a.ended)
