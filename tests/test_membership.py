@@ -248,6 +248,35 @@ def test_changed_instance_is_reconfigured_in_place(caplog):
     run(main())
 
 
+def test_an_instance_added_back_while_draining_joins_again():
+    """b is removed with a long stream open (draining) and added back before it left: it
+    joins again (probed, then serving) instead of leaving, and its stream ends whole."""
+    async def main() -> None:
+        cfg = config(inst("a"), inst("b", seed=1))
+        svc = await Service(pool_from_dict(cfg, "test.yaml")).start()
+        gw = svc.gateway
+        assert gw is not None
+        try:
+            async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
+                long = asyncio.create_task(chat(c, tokens=400))
+                assert await wait_for(lambda: any(len(s.ledger) for s in gw.instances))
+                busy = next(s for s in gw.instances if len(s.ledger))
+                others = [inst("a"), inst("b", seed=1)]
+                keep = [e for e in others if e["name"] != busy.name]
+                await svc.reload(pool_from_dict(config(*keep), "test.yaml"), gw)
+                assert busy.phase is Phase.DRAINING
+                await svc.reload(pool_from_dict(config(*others), "test.yaml"), gw)
+                assert gw.membership.get(busy.name) is busy
+                assert await wait_for(lambda: busy.phase is Phase.SERVING)
+                assert await long == busy.name
+                await asyncio.sleep(0.3)
+                assert gw.membership.get(busy.name) is busy and busy.phase is Phase.SERVING
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
 def test_joining_replica_starts_from_its_least_corrected_sibling():
     """A new replica's TTFT correction starts at its serving siblings' least: an optimistic
     start gets it requests, from which it learns its own (a pessimistic start starved it)."""

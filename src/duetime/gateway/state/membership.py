@@ -139,7 +139,7 @@ class Membership:
     def updated(self, s: InstanceState, why: str, *, rejoin: bool) -> None:
         """A member's instance changed in place (``rejoin``: its address did, so it is out of
         rotation again until its new address passes a probe)."""
-        if rejoin and s.phase is Phase.SERVING:
+        if rejoin:  # (serving, or draining and wanted back)
             s.phase = Phase.JOINING
         self._index()
         self._changed("update", s, why)
