@@ -25,7 +25,7 @@ from duetime.gateway.config import Instance, Pool
 from duetime.gateway.dns import DnsLookup, LookupFailed, endpoint_address
 from duetime.gateway.kubernetes import PodWatch
 from duetime.gateway.state.instance import InstanceState
-from duetime.gateway.state.membership import Membership, Phase
+from duetime.gateway.state.membership import Change, Membership, Phase
 
 log = logging.getLogger("duetime.gateway")
 
@@ -49,8 +49,11 @@ class Discovery:
         self.pod_watches: dict[str, PodWatch] = {}
         self.dns = DnsLookup(pool.discovery)
         self._dns_task: asyncio.Task[None] | None = None
-        membership.listeners.append(
-            lambda c, s: self.configured.pop(s.name, None) if c.change == "leave" else None)
+        membership.listeners.append(self._on_change)
+
+    def _on_change(self, c: Change, s: InstanceState) -> None:
+        if c.change == "leave":  # (gone: a later one of its name is configured afresh)
+            self.configured.pop(s.name, None)
 
     async def start(self) -> None:
         await self.resolve_groups()
@@ -83,25 +86,29 @@ class Discovery:
         live = [self.configured[s.name] for s in self.membership
                 if s.phase is not Phase.DRAINING]
         changes = instance_changes(live, wanted)
-        for i in wanted:
+        for i in changes.added:
             s = self.membership.get(i.name)
             if s is None:
                 self._join(i, why)
-                continue
-            old = self.configured[i.name]
-            if old == i and s.phase is not Phase.DRAINING:
-                continue
-            self.configured[i.name] = i
-            had_events = s.events
-            s.reconfigure(i)
-            if s.events is not had_events and s.events is not None and self.started():
-                s.events.start()
-            self.membership.updated(s, why, rejoin=moved(old, i) or s.phase is Phase.DRAINING)
-        names = {i.name for i in wanted}
-        for s in self.membership:
-            if s.name not in names:
-                self.membership.drain(s, why)
+            else:  # (removed, not gone yet, and back: it joins again as configured now)
+                self._reconfigure(s, i, why, rejoin=True)
+        for i in changes.changed:
+            s = self.membership.get(i.name)
+            assert s is not None
+            self._reconfigure(s, i, why, rejoin=moved(self.configured[i.name], i))
+        for name in changes.removed:
+            s = self.membership.get(name)
+            assert s is not None
+            self.membership.drain(s, why)
         return changes
+
+    def _reconfigure(self, s: InstanceState, i: Instance, why: str, *, rejoin: bool) -> None:
+        self.configured[i.name] = i
+        had_events = s.events
+        s.reconfigure(i)
+        if s.events is not had_events and s.events is not None and self.started():
+            s.events.start()
+        self.membership.updated(s, why, rejoin=rejoin)
 
     def _join(self, i: Instance, why: str) -> None:
         s = self.make(i)

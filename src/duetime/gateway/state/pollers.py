@@ -85,10 +85,8 @@ class Pollers:
     def _on_change(self, c: Change, s: InstanceState) -> None:
         if not self._started:
             return
-        if c.change in ("join", "update"):
-            self._remove(s)  # (an update may have moved it: poll its new address)
-            self._add(s)
-        elif c.change == "ready":
+        if c.change in ("join", "ready", "update"):
+            # (its tasks for its phase now; an update may have moved it: its new address)
             self._remove(s)
             self._add(s)
         elif c.change == "drain":
