@@ -23,6 +23,7 @@ noisier than that one by a multiple of the spread of identical lone requests, me
 from __future__ import annotations
 
 import asyncio
+import csv
 import json
 import math
 import os
@@ -112,7 +113,7 @@ def test_forecast_fidelity_is_within_tolerance(large, vllm_pool, tmp_path):
           + f"\n  live, 5 clients through the gateway: |error| median {live['median']:.1%} "
           f"(tolerance {tol_live:.1%}), p90 {live['p90']:.1%}, bias {live['bias']:+.1%}, "
           f"{live['n']} requests")
-    assert harness["failed"] == 0
+    assert harness["failed"] == 0, harness["errors"]
     for k in got:
         assert got[k][0] <= tols[k][0] and got[k][1] <= tols[k][1], (k, got, tols)
     assert live["median"] <= tol_live, live
@@ -127,7 +128,10 @@ def _harness(server, tmp_path) -> dict[str, Any]:
                  str(profile), "--out", str(out), "--loads", "0.3,0.6", "--requests", "30",
                  "--max-prompt", "1024", "--max-output", "64", "--pause", "0.5",
                  "--quiet"]) == 0
-    return json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    with (out / "results.csv").open() as f:  # (why any request failed, for the assertion)
+        summary["errors"] = [r["error"] for r in csv.DictReader(f) if r.get("error")][:5]
+    return summary
 
 
 def _live(server, vllm_pool, tmp_path, clients: int = 5, requests: int = 80
