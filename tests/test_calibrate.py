@@ -153,3 +153,35 @@ def test_cli_writes_an_instance_entry_a_pool_accepts(tmp_path, capsys) -> None:
     assert inst.batch_time.to_dict() == entry["batch_time"]
     assert inst.request_overhead_s == pytest.approx(entry["request_overhead_ms"] / 1000)
     assert "wrote" in capsys.readouterr().err
+
+
+def test_frontend_costs_separate_request_and_chunk_work(monkeypatch):
+    """The API server's CPU counter over the two probes gives back its per-request and
+    per-chunk costs; a server without the counter gets no frontend."""
+    import asyncio
+
+    from duetime.calibrate import endpoint
+    from duetime.engine.config import SchedulerConfig
+
+    class Server:  # the counter as vLLM's API server would move it
+        cpu = 10.0
+
+    class Prober:
+        def prompt(self, n):
+            return [1] * n
+
+        async def stream(self, prompt, max_tokens):
+            Server.cpu += 0.002 + 0.0001 * (max_tokens + 1)
+            return 0.0, [(0.0, k + 1) for k in range(max_tokens)], len(prompt)
+
+    async def cpu(p):
+        return round(Server.cpu, 2) if Server.cpu is not None else None  # (10 ms ticks)
+
+    monkeypatch.setattr(endpoint, "_api_cpu_s", cpu)
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048)
+    got = asyncio.run(endpoint.frontend_costs(Prober(), cfg, requests=400, stream_tokens=1000))
+    assert got is not None and got.servers == 1
+    assert got.request_s == pytest.approx(0.002, rel=0.1)
+    assert got.chunk_s == pytest.approx(0.0001, rel=0.1)
+    Server.cpu = None
+    assert asyncio.run(endpoint.frontend_costs(Prober(), cfg)) is None

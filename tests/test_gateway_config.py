@@ -101,6 +101,12 @@ def test_demo_pool():
     ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
                      "profile": "qwen3-8b", "request_overhead_ms": -1}]},
      "pool.yaml: instances[0].request_overhead_ms: Input should be greater than or equal"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                     "profile": "qwen3-8b", "frontend": {"request_ms": 1, "chunks_ms": 1}}]},
+     "pool.yaml: instances[0].frontend: unknown key(s) ['chunks_ms']"),
+    ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                     "profile": "qwen3-8b", "frontend": {"request_ms": -1}}]},
+     "pool.yaml: instances[0].frontend: frontend: request_ms and chunk_ms must be >= 0"),
     ({"instances": [{"name": "x", "model": "qwen3-8b",
                      "emulate": {"fail_kinds": ["gremlins"]}}]},
      "pool.yaml: instances[0].emulate.fail_kinds: must be among"),
@@ -178,6 +184,41 @@ def test_overhead_and_tokenizer_resolve(tmp_path):
     now = time.monotonic()
     got = est.ttft(with_overhead, 100, now) - est.ttft(without, 100, now)
     assert got == pytest.approx(0.0125, abs=1e-3)  # (the two snapshots are µs apart)
+
+
+def test_the_frontend_s_queue_enters_sfs_s_forecast(tmp_path):
+    """An instance's ``frontend`` (the API server's costs from `duetime calibrate`) reaches
+    its spec and adds its chunks' queue to SFS's forecast: nothing on an idle instance (its
+    own work is in the request overhead), a chunk per stream ahead of a request on a busy
+    one."""
+    import time
+
+    from duetime.engine.frontend import FrontendModel
+    from duetime.estimate import SfsEstimator
+    from duetime.gateway.backends.memory import MemoryStore
+    from duetime.gateway.prometheus import GatewayMetrics
+    from duetime.gateway.state.instance import InstanceState
+
+    entry = {"name": "s", "model": "qwen3-0.6b", "url": "http://h", "profile": "qwen3-0.6b"}
+    fe = pool_from_dict({"instances": [{**entry, "frontend": {"request_ms": 2, "chunk_ms": 5}}]})
+    plain = pool_from_dict({"instances": [entry]})
+    assert fe.instances[0].frontend == FrontendModel(0.002, 0.005)
+    assert plain.instances[0].frontend is None
+    now = time.monotonic()
+    states = [InstanceState(p.instances[0], p, GatewayMetrics(), MemoryStore(), now)
+              for p in (fe, plain)]
+    est = SfsEstimator()
+
+    est.ttft(states[1], 100, now)  # (compiles the forecast on a first run)
+    now = time.monotonic()
+    assert est.ttft(states[0], 100, now) == pytest.approx(est.ttft(states[1], 100, now),
+                                                          abs=1e-3)
+    for st in states:
+        for k in range(3):
+            st.shadow.engine.add(f"r{k}", 50, 100, arrival=now)
+    now = time.monotonic()
+    got = est.ttft(states[0], 100, now) - est.ttft(states[1], 100, now)
+    assert got == pytest.approx(3 * 0.005, abs=1e-3)
 
 
 def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):

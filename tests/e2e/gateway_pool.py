@@ -46,6 +46,8 @@ def instance_config(server: Any, name: str | None = None, **overrides: Any) -> d
         "batch_time": copy.deepcopy(server.calibration.get("batch_time")
                                     or BATCH_TIME[server.name]),
         "request_overhead_ms": server.calibration.get("request_overhead_ms", 0.0),
+        **({"frontend": dict(server.calibration["frontend"])}
+           if server.calibration.get("frontend") else {}),
         "config": {
             "max_num_batched_tokens": server.max_num_batched_tokens,
             "max_num_seqs": server.max_num_seqs,

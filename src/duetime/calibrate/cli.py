@@ -108,6 +108,7 @@ def _load_profile_arg(value: str, model: str, error: type[Exception]) -> Any:
 
     import yaml
 
+    from duetime.engine.frontend import FrontendModel
     from duetime.engine.spec import resolve_spec
 
     path = Path(value)
@@ -127,9 +128,11 @@ def _load_profile_arg(value: str, model: str, error: type[Exception]) -> Any:
         spec = resolve_spec(model, profile=data.get("profile"), batch_time=data.get(
             "batch_time"), config=data.get("config"), where=value)
         overhead = float(data.get("request_overhead_ms", 0.0))
+        frontend = (None if data.get("frontend") is None else
+                    FrontendModel.from_dict(data["frontend"], f"{value}: frontend"))
     except (TypeError, ValueError) as e:
         raise error(str(e)) from None
-    return replace(spec, request_overhead_s=overhead / 1000.0)
+    return replace(spec, request_overhead_s=overhead / 1000.0, frontend=frontend)
 
 
 def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:

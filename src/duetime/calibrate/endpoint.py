@@ -18,6 +18,12 @@ Two kinds of probes, sent to an otherwise idle server:
   over repeated calibrations of one server). Once all n stream, the gap between two chunks of
   one stream is one step with n decoders: ``b0 + b1·n + b2·Σ context``.
 
+* **frontend** (last): the API server's CPU counter (``process_cpu_seconds_total`` on
+  vLLM's ``/metrics``) over many one-token requests sent at once and over a few long streams
+  gives its seconds per request and per output chunk (:func:`frontend_costs`,
+  :mod:`duetime.engine.frontend`): the queue in front of the engine that a small, fast model
+  saturates before its engine does.
+
 All rows are fitted together by non-negative least squares on relative error (scikit-learn's
 ``LinearRegression(positive=True)``, weighted by 1/observed). Each sample keeps the engine's
 seven batch features summed over its steps (:mod:`duetime.engine.batch_time`), so the same
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +47,7 @@ import numpy as np
 
 from duetime.engine.batch_time import MODELS, BatchTimeModel
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.frontend import FrontendModel
 from duetime.web.cache_info import cache_config_info
 
 # A text whose tokenisation gives the probes' token ids: any model's tokenizer splits it into
@@ -48,6 +56,8 @@ SEED_TEXT = ("the quick brown fox jumps over the lazy dog while seven tall ships
               "quiet harbours under grey northern skies and merchants count silver coins "
               "beside wooden crates of apples pears and plums ")
 
+
+_CPU_LINE = re.compile(r"^process_cpu_seconds_total (\S+)$", re.M)
 
 Arrival = tuple[float, int]  # (arrival time, output tokens so far)
 
@@ -75,6 +85,8 @@ class Calibration:
     config: SchedulerConfig
     request_overhead_s: float
     samples: list[Sample] = field(default_factory=list)
+    # the API server's costs, where its CPU counter is on /metrics (else None)
+    frontend: FrontendModel | None = None
 
     def fitted(self, s: Sample) -> float:
         w = (*self.model.weights, self.request_overhead_s)  # type: ignore[attr-defined]
@@ -86,9 +98,12 @@ class Calibration:
 
     def instance_entry(self) -> dict[str, Any]:
         """The keys of a pool YAML instance entry that this calibration supplies."""
-        return {"batch_time": self.model.to_dict(),
-                "config": self.config.to_dict(),
-                "request_overhead_ms": round(self.request_overhead_s * 1000, 3)}
+        entry = {"batch_time": self.model.to_dict(),
+                 "config": self.config.to_dict(),
+                 "request_overhead_ms": round(self.request_overhead_s * 1000, 3)}
+        if self.frontend is not None:
+            entry["frontend"] = self.frontend.to_dict()
+        return entry
 
 
 def prefill_row(prompt: int, budget: int) -> tuple[float, ...]:
@@ -236,12 +251,13 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
                     prompt_lengths: list[int] | None = None, batches: list[int] | None = None,
                     decode_tokens: int = 32, decode_prompts: list[int] | None = None,
                     seed: int = 0, timeout_s: float = 120.0,
-                    batch_model: str = "paper4") -> Calibration:
+                    batch_model: str = "paper4", measure_frontend: bool = True) -> Calibration:
     """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit
     ``batch_model``.
     Decode probes run at each of ``decode_prompts`` (default: a short prompt and a realistic
     context); a long prompt's streams decode ``decode_tokens`` more than the steps their
-    staggered prefills take, so that all of them decode together for a while."""
+    staggered prefills take, so that all of them decode together for a while. With
+    ``measure_frontend`` the API server's costs are measured last (:func:`frontend_costs`)."""
     lengths = prompt_lengths or default_prompt_lengths(config)
     ns = batches or default_batches(config)
     contexts = decode_prompts or default_decode_prompts(config)
@@ -270,11 +286,59 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
                         runs = await asyncio.gather(*(p.stream(p.prompt(prompt), tokens)
                                                       for _ in range(n)))
                         samples.extend(_decode_samples(runs, n))
+            frontend = await frontend_costs(p, config) if measure_frontend else None
     except aiohttp.ClientError as e:
         raise CalibrationError(f"{url}: {type(e).__name__}: {e}") from None
     except TimeoutError:
         raise CalibrationError(f"{url}: no answer within {timeout_s:g} s") from None
-    return fit(samples, config, batch_model)
+    cal = fit(samples, config, batch_model)
+    cal.frontend = frontend
+    return cal
+
+
+async def _api_cpu_s(p: _Prober) -> float | None:
+    """The API server's process CPU seconds (``process_cpu_seconds_total`` on ``/metrics``:
+    prometheus_client's process collector, in vLLM's API server process), or None."""
+    async with p.session.get(f"{p.url}/metrics") as r:
+        text = await r.text() if r.status == 200 else ""
+    m = _CPU_LINE.search(text)
+    return float(m.group(1)) if m else None
+
+
+async def frontend_costs(p: _Prober, config: SchedulerConfig, *, requests: int = 96,
+                         stream_tokens: int = 400) -> FrontendModel | None:
+    """The API server's CPU per request and per output chunk (:mod:`duetime.engine.frontend`),
+    from its own CPU counter over two probes that weigh them differently: ``requests``
+    one-token completions sent at once (mostly per-request work), and ``max_num_seqs`` (at
+    most 8) streams of ``stream_tokens`` tokens (mostly per-chunk work); each probe's CPU less
+    an idle window's (the scrapes themselves, the server's idle work), solved for the two
+    costs. None where ``/metrics`` has no CPU counter (several API servers share a
+    multiprocess registry without one; not vLLM)."""
+    before = await _api_cpu_s(p)
+    if before is None:
+        return None
+    t0 = time.perf_counter()
+    await asyncio.sleep(0.5)
+    idle = (await _api_cpu_s(p) or before) - before
+    idle_rate = idle / (time.perf_counter() - t0)
+    tokens = max(8, min(stream_tokens, config.max_model_len - 32))
+    rows, cpu = [], []
+    for n, max_tokens in ((requests, 1), (min(8, config.max_num_seqs), tokens)):
+        c0, t0 = await _api_cpu_s(p) or 0.0, time.perf_counter()
+        runs = await asyncio.gather(*(p.stream(p.prompt(16), max_tokens) for _ in range(n)))
+        c1, dt = await _api_cpu_s(p) or 0.0, time.perf_counter() - t0
+        # (each stream's chunks: its text chunks and the closing usage one)
+        rows.append((float(n), float(sum(len(arr) + 1 for _, arr, _ in runs))))
+        cpu.append(max(0.0, c1 - c0 - idle - idle_rate * max(0.0, dt - 0.5)))
+    a = np.array(rows)
+    try:
+        sol = np.linalg.solve(a, np.array(cpu))
+    except np.linalg.LinAlgError:
+        return None
+    request_s, chunk_s = (max(0.0, float(v)) for v in sol)
+    if request_s == 0.0 and chunk_s == 0.0:
+        return None
+    return FrontendModel(request_s, chunk_s)
 
 
 def _decode_samples(runs: list[tuple[float, list[Arrival], int]], n: int) -> list[Sample]:

@@ -50,6 +50,7 @@ import aiohttp
 import numpy as np
 
 from duetime.engine.engine import Engine
+from duetime.engine.frontend import Frontend, serve_trace
 from duetime.engine.spec import InstanceSpec
 from duetime.estimate.correction import TtftCorrection
 from duetime.workload.arrivals import MMPP2, Poisson
@@ -272,14 +273,21 @@ def replay(recs: list[Record], spec: InstanceSpec) -> None:
     if not done:
         return
     eng = Engine(spec.config, spec.batch_time, time=done[0].sent)
-    for r in done:
-        eng.run_until(r.sent)
-        eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent)
-    eng.drain()
-    cols = eng.lookup([r.id for r in done])
     o = spec.request_overhead_s
-    for r, first, fin in zip(done, cols.first_token.tolist(), cols.finish_time.tolist(),
-                             strict=True):
+    if spec.frontend is not None:  # (through the API server's queue: its own work is in o)
+        got = serve_trace(eng, Frontend(spec.frontend, done[0].sent),
+                          [(r.id, r.sent, r.prompt_tokens, r.output_tokens) for r in done])
+        firsts = [got[r.id].first for r in done]
+        fins = [got[r.id].last for r in done]
+        o = max(0.0, o - spec.frontend.own_s)
+    else:
+        for r in done:
+            eng.run_until(r.sent)
+            eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent)
+        eng.drain()
+        cols = eng.lookup([r.id for r in done])
+        firsts, fins = cols.first_token.tolist(), cols.finish_time.tolist()
+    for r, first, fin in zip(done, firsts, fins, strict=True):
         r.predicted_ttft = first - r.sent + o
         r.predicted_e2e = fin - r.sent + o
         if r.output_tokens > 1:

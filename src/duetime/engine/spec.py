@@ -16,6 +16,7 @@ from typing import Any
 
 from duetime.engine.batch_time import BatchTimeModel, model_from_dict
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.frontend import FrontendModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +30,8 @@ class InstanceSpec:
     price_output: float = 0.0
     request_overhead_s: float = 0.0
     description: str = ""
+    # the serving frontend's costs (vLLM's API server: engine/frontend.py); None: not modelled
+    frontend: FrontendModel | None = None
 
     def cost(self, prompt_tokens, output_tokens):
         """Cost in micro-dollars (USD per million tokens x tokens)."""

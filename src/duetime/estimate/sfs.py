@@ -32,6 +32,20 @@ def _board_rows(views: Sequence[InstanceView]) -> tuple[LoadBoard | None, np.nda
     return board, rows
 
 
+def frontend_delay(view: InstanceView, snap: Snapshot, now: float) -> float:
+    """What the view's serving frontend (a ``frontend`` attribute:
+    :class:`~duetime.engine.frontend.FrontendModel`; none, nothing) adds to a request sent
+    ``now`` beyond its own work: its server's backlog (``frontend_wait_s(now)`` where the view
+    tracks one) and the chunks of the streams in its first token's step (the running and
+    waiting requests, up to ``max_num_seqs``)."""
+    fm = getattr(view, "frontend", None)
+    if fm is None:
+        return 0.0
+    wait = getattr(view, "frontend_wait_s", None)
+    streams = min(len(snap.running_table) + len(snap.waiting_table), snap.config.max_num_seqs)
+    return fm.delay_s(0.0 if wait is None else wait(now), streams)
+
+
 class SfsEstimator:
     name = "sfs"
 
@@ -52,7 +66,8 @@ class SfsEstimator:
                            prompt_hashes=_keys(snap, hashes)).estimate_s
         except ForecastError:
             return float("inf")
-        return (est + (snap.time - now) + view.request_overhead_s) * correction_factor(view)
+        return (est + (snap.time - now) + view.request_overhead_s
+                + frontend_delay(view, snap, now)) * correction_factor(view)
 
     def ttft_lower_bound(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
         """A bound :meth:`ttft` cannot go below, without a forecast: from the view's

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.frontend import FrontendModel
 from duetime.engine.profiles import profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
 from duetime.gateway.keys import AuthConfig, AuthSpec, resolve_auth
@@ -86,6 +87,9 @@ class _InstanceIn(_Strict):
     # time outside the engine loop until the first token is back (HTTP, tokenisation):
     # added to the engine's forecast; `duetime calibrate` measures it
     request_overhead_ms: float = Field(0.0, ge=0, le=60_000)
+    # the API server's costs (request_ms, chunk_ms, servers: engine/frontend.py), from
+    # `duetime calibrate`: its queue enters the forecasts
+    frontend: dict[str, Any] | None = None
     # an emulated instance started this many times (name.0, name.1, ...; seeds seed, seed+1..)
     replicas: int = Field(1, ge=1, le=1000)
     # dns: the URL's host is a name whose addresses are the replicas (a headless Service),
@@ -311,6 +315,10 @@ class Instance:
     def request_overhead_s(self) -> float:
         return self.spec.request_overhead_s
 
+    @property
+    def frontend(self) -> FrontendModel | None:
+        return self.spec.frontend
+
 
 @dataclass(frozen=True, slots=True)
 class Pool:
@@ -494,8 +502,13 @@ def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[I
         else:
             raise fail(f"{w}.price_usd_per_mtok", f"missing (and model {s.model!r} is not in "
                        "the quality workload); give {prompt: USD/Mtok, output: USD/Mtok}")
+        try:
+            frontend = (None if s.frontend is None
+                        else FrontendModel.from_dict(s.frontend, f"{w}.frontend"))
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
         ispec = replace(ispec.scaled(speed).priced(pp, po),
-                        request_overhead_s=s.request_overhead_ms / 1000.0)
+                        request_overhead_s=s.request_overhead_ms / 1000.0, frontend=frontend)
         if s.discover == "dns":
             _check_dns_group(s, w, fail)
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.frontend import FrontendModel
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import InstanceStats
 from duetime.estimate.correction import StepCorrection, TtftCorrection
@@ -265,6 +266,11 @@ class InstanceState:
         """The instance's own (calibrated) overhead, plus what the gateway's backlog adds."""
         own = self.instance.request_overhead_s
         return own if self.load is None else own + self.load.delay_s()
+
+    @property
+    def frontend(self) -> FrontendModel | None:
+        """The instance's API-server costs (its forecasts add their queue), if calibrated."""
+        return self.instance.frontend
 
     # -- time -----------------------------------------------------------------------------------
 
