@@ -74,8 +74,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "Probe an otherwise idle OpenAI-compatible server (vLLM, or `duetime emulate`) "
                 "with lone prompts of several lengths (prefill) and batches of concurrent "
                 "streams (decode), fit a batch-time model (the SFS paper's paper4 by default) plus "
-                "a per-request overhead, and print the pool YAML keys of that instance (batch_time, config, "
-                "request_overhead_ms) with the fit's error. The scheduler limits must be those "
+                "a per-request overhead, measure the API server's CPU per request and per chunk "
+                "where /metrics has its process CPU counter, and print the pool YAML keys of "
+                "that instance (batch_time, config, request_overhead_ms, frontend) with the "
+                "fit's error. The scheduler limits must be those "
                 "the server runs with (vLLM does not publish them); block size and KV blocks are "
                 "read from vLLM's vllm:cache_config_info unless given. Takes seconds to minutes.")
     p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8001")
