@@ -330,7 +330,9 @@ def test_routing_sfs_tight_target_picks_the_model_that_can_meet_it(client, serve
     the servers first: tiny-small's best TTFT is under the target, tiny-large's over it."""
     fc = forecasts(client, LONG_PROMPT)
     tight = math.sqrt(fc["tiny-small"] * fc["tiny-large"])
-    best = measured(servers, LONG_PROMPT)
+    # (best of five: on two cores a server's stream is sometimes held for 100s of ms while
+    # the engine's processes and the kernel's workers take both; two tries once both met one)
+    best = measured(servers, LONG_PROMPT, tries=5)
     print(f"\n{LONG_PROMPT}-token prompt: forecasts {fc}, best measured {best}; target "
           f"{tight:.0f} ms")
     assert best["tiny-small"] < tight < best["tiny-large"], (
