@@ -412,3 +412,47 @@ def test_a_request_that_cannot_fit_the_kv_cache_is_refused_not_queued():
     assert s2 == 400 and "KV cache" in b2["error"]["message"]  # up to max_model_len
     assert s3 == 200 and b3["usage"]["completion_tokens"] == 125  # 1024 tokens: exactly fits
     assert emu.engine.idle
+
+
+def test_an_emulator_with_a_frontend_queues_requests_and_holds_tokens_behind_it():
+    """``frontend``: the requests sent together reach the engine one API-server hand-off
+    apart, and tokens reach the streams only as the server sends their chunks: the k-th
+    stream to reach the engine ends no sooner than k+1 hand-offs and a chunk after it was
+    sent (lower bounds: the emulator may be slower on a busy machine, never faster). Every
+    token and the usage arrive."""
+    from duetime.engine.frontend import FrontendModel
+
+    request_s, chunk_s = 0.03, 0.004
+
+    async def go():
+        emu = emulator_from_profile("qwen3-0.6b", speed=4.0, frontend=FrontendModel(
+            request_s, chunk_s))
+        server = await serve(emu)
+        try:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+                body = {"model": "qwen3-0.6b", "prompt": "hello", "max_tokens": 12,
+                        "ignore_eos": True, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async def one():
+                    t0 = time.perf_counter()
+                    first = None
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        events = await sse_events(r)
+                        first = time.perf_counter() - t0
+                    return first, events
+                got = await asyncio.gather(*(one() for _ in range(4)))
+                return got, emu
+        finally:
+            await server.stop()
+
+    got, emu = run(go())
+    for _, events in got:
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 12
+        assert sum('"text"' in e for e in events[:-2]) == 12
+    ends = sorted(t for t, _ in got)
+    # the k-th to reach the engine ends after k+1 hand-offs and its last chunk (its other
+    # chunks may have merged while the server sent the other streams')
+    for k, t in enumerate(ends):
+        assert t >= (k + 1) * request_s + chunk_s
+    assert emu.finished == 4 and not emu._active

@@ -27,7 +27,8 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
         raise error(f"--fail-kinds: {e}") from None
     emu = emulator_from_profile(args.profile, model_name=args.model_name, speed=args.speed,
                                 seed=args.seed, faults=faults, output_median=args.output_median,
-                                enable_prefix_caching=args.enable_prefix_caching)
+                                enable_prefix_caching=args.enable_prefix_caching,
+                                frontend=args.frontend)
     # control routes: open on loopback, need the token when one is given, closed otherwise
     app = create_app(emu, admin_token=args.admin_token, control_open=is_loopback(args.host))
     try:
@@ -52,6 +53,20 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
               "were cut (each told so with an error)", flush=True)
         return 3
     return 0
+
+
+def _frontend(value: str) -> Any:
+    """``--frontend REQ_MS,CHUNK_MS[,N]``."""
+    from duetime.engine.frontend import FrontendModel
+
+    parts = [v.strip() for v in value.split(",")]
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError("expected REQ_MS,CHUNK_MS[,N], e.g. 1.6,0.09")
+    try:
+        return FrontendModel.from_dict(dict(zip(("request_ms", "chunk_ms", "servers"), parts,
+                                                strict=False)), "--frontend")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cmd_emulate(args: argparse.Namespace, error: type[Exception]) -> int:
@@ -92,6 +107,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="vLLM's automatic prefix caching: prompts that start alike share "
                    "cached KV blocks (token ids exactly; text 64 characters per 16-token "
                    "block); default on, as in vLLM")
+    p.add_argument("--frontend", type=_frontend, default=None, metavar="REQ_MS,CHUNK_MS[,N]",
+                   help="an API server in front of the engine, as vLLM's: milliseconds of its "
+                   "work per request and per output chunk, and N servers (default: none; "
+                   "`duetime calibrate` measures a vLLM's)")
     p.add_argument("--fail-rate", type=unit_rate, default=0.0, metavar="F",
                    help="fraction of requests that fail (default 0)")
     p.add_argument("--fail-kinds", default="5xx", metavar="K[,K]",

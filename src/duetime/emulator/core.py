@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from duetime.engine import BatchTimeModel, Engine, EngineStuck, SchedulerConfig, Snapshot
+from duetime.engine.frontend import Frontend, FrontendModel
 from duetime.engine.warmup import warm_up
 
 log = logging.getLogger("duetime.emulator")
@@ -102,9 +103,14 @@ class Emulator:
     def __init__(self, model: BatchTimeModel, config: SchedulerConfig, *, model_name: str,
                  speed: float = 1.0, seed: int = 0, output_median: float = 200.0,
                  output_sigma: float = 0.6, faults: Faults | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True,
+                 frontend: FrontendModel | None = None) -> None:
         """``enable_prefix_caching`` (vLLM's default, on) replaces the config's own flag (the
-        built-in profiles leave it off, the engine's default)."""
+        built-in profiles leave it off, the engine's default). ``frontend``: an API server in
+        front of the engine (:mod:`duetime.engine.frontend`): a request reaches the engine
+        once the server has done the work queued ahead of it and its own, and each token
+        reaches its stream once the server has sent it (the engine does not wait); the
+        engine-side histograms stay the engine's, as vLLM's are."""
         if not speed > 0 or not math.isfinite(speed):
             raise ValueError(f"speed must be a positive number, got {speed}")
         self.model_name = model_name
@@ -121,6 +127,8 @@ class Emulator:
         self._ids = itertools.count()
         warm_up()
         self.engine = Engine(config, self.model, retain_finished=False)
+        self.frontend = None if frontend is None else Frontend(frontend, time.monotonic())
+        self._handing: set[str] = set()  # sent, not at the engine yet (the frontend's queue)
         self._active: dict[str, EmuRequest] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -238,13 +246,27 @@ class Emulator:
         stop, reason = self.draw_output(max_tokens, ignore_eos, prompt_tokens)
         now = time.monotonic()
         req = EmuRequest(rid, prompt_tokens, stop, reason, now)
-        if self.engine.idle:
-            self.engine.set_clock(now)
-        self.engine.add(rid, prompt_tokens, stop, arrival=now, hashes=hashes)
         self._active[rid] = req
         self.m_prompt.inc(prompt_tokens)
-        self._wake.set()
+        reach = now if self.frontend is None else self.frontend.admit(rid, now)
+        if reach > now:
+            self._handing.add(rid)
+            asyncio.get_running_loop().call_later(reach - now, self._hand_off, rid, hashes)
+        else:
+            self._hand_off(rid, hashes)
         return req
+
+    def _hand_off(self, rid: str, hashes: Sequence[int]) -> None:
+        """The request reaches the engine's waiting queue (joins at the next step)."""
+        self._handing.discard(rid)
+        req = self._active.get(rid)
+        if req is None:  # (cancelled while the frontend held it)
+            return
+        now = time.monotonic()
+        if self.engine.idle:
+            self.engine.set_clock(now)
+        self.engine.add(rid, req.prompt_tokens, req.stop, arrival=now, hashes=hashes)
+        self._wake.set()
 
     def set_speed(self, speed: float) -> None:
         """Run ``speed`` times faster than the profile from the next step on (a server that
@@ -259,7 +281,12 @@ class Emulator:
         """The client went away: abort the request (frees its KV at once)."""
         if req.done:
             return
-        self.engine.abort(req.id)
+        if req.id in self._handing:
+            self._handing.discard(req.id)
+        else:
+            self.engine.abort(req.id)
+        if self.frontend is not None:
+            self.frontend.finish(req.id)
         self._active.pop(req.id, None)
         req.done = req.aborted = True
         req.finish_reason = "abort"
@@ -322,7 +349,10 @@ class Emulator:
     def _release(self, t: float, tokens: list[str], first: list[str],
                  finished: list[str]) -> None:
         """What a step produced reaches its requests: one more token each, first-token
-        times, finishes."""
+        times, finishes — through the frontend, when there is one."""
+        if self.frontend is not None:
+            self._through_frontend(t, tokens, first, finished)
+            return
         active = self._active
         made = 0
         for rid in tokens:
@@ -340,13 +370,50 @@ class Emulator:
                 self.m_ttft.observe(t - req.arrival)
         for rid in finished:
             req = active.pop(rid, None)
-            if req is None:
-                continue
-            req.done = True
-            req.finish_time = t
-            self.finished += 1
-            self.m_success.labels(self.model_name, req.finish_reason).inc()
-            self.m_e2e.observe(t - req.arrival)
-            if req.produced > 1 and req.first_token_time is not None:
-                self.m_tpot.observe((t - req.first_token_time) / (req.produced - 1))
+            if req is not None:
+                self._finish(req, t)
+
+    def _finish(self, req: EmuRequest, t: float) -> None:
+        req.done = True
+        req.finish_time = t
+        self.finished += 1
+        self.m_success.labels(self.model_name, req.finish_reason).inc()
+        self.m_e2e.observe(t - req.arrival)
+        if req.produced > 1 and req.first_token_time is not None:
+            self.m_tpot.observe((t - req.first_token_time) / (req.produced - 1))
+        req.event.set()
+
+    def _through_frontend(self, t: float, tokens: list[str], first: list[str],
+                          finished: list[str]) -> None:
+        """A step's outputs handed to the frontend at ``t``: each token reaches its stream
+        when the server has sent its chunk (a token whose stream's chunk still waits goes out
+        with it); a request ends with its last token; the engine-side metrics count ``t``."""
+        fe, active = self.frontend, self._active
+        assert fe is not None
+        live = [rid for rid in tokens if rid in active]
+        if live:
+            self.m_gen.inc(len(live))
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        for rid, at in zip(live, fe.emit(t, live), strict=True):
+            loop.call_later(max(0.0, at - now), self._deliver, active[rid])
+        for rid in first:
+            req = active.get(rid)
+            if req is not None:
+                req.first_token_time = t
+                self.m_ttft.observe(t - req.arrival)
+        for rid in finished:
+            if active.pop(rid, None) is not None:
+                fe.finish(rid)
+
+    def _deliver(self, req: EmuRequest) -> None:
+        """One token of ``req`` out of the frontend; with its last (its ``stop``-th: the
+        emulator's requests end there), the request ends (in whatever order timers due at
+        the same time run)."""
+        if req.done:
+            return
+        req.produced += 1
+        if req.produced >= req.stop:
+            self._finish(req, time.monotonic())
+        else:
             req.event.set()

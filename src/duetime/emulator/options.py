@@ -35,4 +35,5 @@ class EmulatorOptions(BaseModel):
         return Emulator(spec.batch_time, spec.config, model_name=model_name, speed=self.speed,
                         seed=self.seed, output_median=self.output_median,
                         faults=Faults(self.fail_rate, tuple(self.fail_kinds)),
-                        enable_prefix_caching=self.enable_prefix_caching)
+                        enable_prefix_caching=self.enable_prefix_caching,
+                        frontend=spec.frontend)
