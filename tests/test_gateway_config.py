@@ -106,7 +106,7 @@ def test_demo_pool():
      "pool.yaml: instances[0].frontend: unknown key(s) ['chunks_ms']"),
     ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
                      "profile": "qwen3-8b", "frontend": {"request_ms": -1}}]},
-     "pool.yaml: instances[0].frontend: frontend: request_ms and chunk_ms must be >= 0"),
+     "pool.yaml: instances[0].frontend: request_ms and chunk_ms must be >= 0"),
     ({"instances": [{"name": "x", "model": "qwen3-8b",
                      "emulate": {"fail_kinds": ["gremlins"]}}]},
      "pool.yaml: instances[0].emulate.fail_kinds: must be among"),

@@ -64,7 +64,7 @@ def _frontend(value: str) -> Any:
         raise argparse.ArgumentTypeError("expected REQ_MS,CHUNK_MS[,N], e.g. 1.6,0.09")
     try:
         return FrontendModel.from_dict(dict(zip(("request_ms", "chunk_ms", "servers"), parts,
-                                                strict=False)), "--frontend")
+                                                strict=False)), "")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -38,9 +38,9 @@ class FrontendModel:
 
     def __post_init__(self) -> None:
         if self.request_s < 0 or self.chunk_s < 0:
-            raise ValueError("frontend: request_ms and chunk_ms must be >= 0")
+            raise ValueError("request_ms and chunk_ms must be >= 0")
         if self.servers < 1:
-            raise ValueError("frontend: servers must be >= 1")
+            raise ValueError("servers must be >= 1")
 
     @property
     def own_s(self) -> float:
@@ -61,17 +61,19 @@ class FrontendModel:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "frontend") -> FrontendModel:
+        """``where`` names the value in errors ("": none)."""
+        at = f"{where}: " if where else ""
         if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: must be a mapping (request_ms, chunk_ms, servers)")
+            raise ValueError(f"{at}must be a mapping (request_ms, chunk_ms, servers)")
         unknown = set(data) - {"request_ms", "chunk_ms", "servers"}
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected request_ms, "
+            raise ValueError(f"{at}unknown key(s) {sorted(unknown)}; expected request_ms, "
                              "chunk_ms, servers")
         try:
             return cls(float(data.get("request_ms", 0.0)) / 1000.0,
                        float(data.get("chunk_ms", 0.0)) / 1000.0, int(data.get("servers", 1)))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
+            raise ValueError(f"{at}{e}") from None
 
 
 class Frontend:
