@@ -60,3 +60,19 @@ def key_value(text: str) -> tuple[str, str]:
     if not sep or not name.strip() or not value.strip():
         raise argparse.ArgumentTypeError(f"must be NAME=VALUE, got {text!r}")
     return name.strip(), value.strip()
+
+
+def frontend(text: str):  # -> FrontendModel
+    """``REQ_MS,CHUNK_MS[,N]``: an API server's milliseconds of work per request and per
+    output chunk, and N servers (:class:`~duetime.engine.frontend.FrontendModel`)."""
+    from duetime.engine.frontend import FrontendModel
+
+    parts = [v.strip() for v in text.split(",")]
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"expected REQ_MS,CHUNK_MS[,N], e.g. 1.6,0.09, got "
+                                         f"{text!r}")
+    try:
+        return FrontendModel.from_dict(dict(zip(("request_ms", "chunk_ms", "servers"), parts,
+                                                strict=False)))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

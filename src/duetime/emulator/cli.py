@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any
 
-from duetime.argtypes import port, positive_float, unit_rate
+from duetime.argtypes import frontend, port, positive_float, unit_rate
 from duetime.engine.profiles import profile_names
 
 log = logging.getLogger("duetime.emulator")
@@ -55,20 +55,6 @@ async def _serve(args: argparse.Namespace, error: type[Exception]) -> int:
     return 0
 
 
-def _frontend(value: str) -> Any:
-    """``--frontend REQ_MS,CHUNK_MS[,N]``."""
-    from duetime.engine.frontend import FrontendModel
-
-    parts = [v.strip() for v in value.split(",")]
-    if len(parts) not in (2, 3):
-        raise argparse.ArgumentTypeError("expected REQ_MS,CHUNK_MS[,N], e.g. 1.6,0.09")
-    try:
-        return FrontendModel.from_dict(dict(zip(("request_ms", "chunk_ms", "servers"), parts,
-                                                strict=False)), "")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _cmd_emulate(args: argparse.Namespace, error: type[Exception]) -> int:
     from duetime.web.logs import setup_logging
     from duetime.web.server import run
@@ -107,7 +93,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="vLLM's automatic prefix caching: prompts that start alike share "
                    "cached KV blocks (token ids exactly; text 64 characters per 16-token "
                    "block); default on, as in vLLM")
-    p.add_argument("--frontend", type=_frontend, default=None, metavar="REQ_MS,CHUNK_MS[,N]",
+    p.add_argument("--frontend", type=frontend, default=None, metavar="REQ_MS,CHUNK_MS[,N]",
                    help="an API server in front of the engine, as vLLM's: milliseconds of its "
                    "work per request and per output chunk, and N servers (default: none; "
                    "`duetime calibrate` measures a vLLM's)")

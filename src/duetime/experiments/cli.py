@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from duetime.argtypes import key_value, positive_int
+from duetime.argtypes import frontend, key_value, positive_int
 from duetime.experiments import report as rp
 from duetime.experiments.catalog import EXPERIMENTS, run_experiment
 from duetime.experiments.runner import Point, Runner
@@ -87,6 +88,11 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
             profile = profile.with_replicas(args.replicas)
     except ProfileError as e:
         raise error(str(e)) from None
+    if args.frontend is not None:
+        if args.clients is not None:
+            raise error("--frontend: simulated in open loop only (not with --clients yet)")
+        profile = replace(profile, models={m: replace(s, frontend=args.frontend)
+                                           for m, s in profile.models.items()})
     replay = args.trace or args.mooncake
     if sum(1 for x in (args.trace, args.mooncake, args.prefix_workload) if x) > 1:
         raise error("give at most one of --trace, --mooncake, --prefix-workload")
@@ -236,6 +242,10 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="arrival process (default poisson)")
     p.add_argument("--delta", type=float, default=1e-6,
                    help="sfs-soft's delta (per us; the same as --policy-param delta=...)")
+    p.add_argument("--frontend", type=frontend, default=None, metavar="REQ_MS,CHUNK_MS[,N]",
+                   help="an API server in front of every instance, as vLLM's: milliseconds of "
+                   "its work per request and per output chunk, N servers (default: none); "
+                   "open loop only")
     p.add_argument("--noise", type=float, default=0.0,
                    help="log-space spread of per-step time noise on the instances (default 0)")
     p.add_argument("--length-error", type=float, default=0.3,

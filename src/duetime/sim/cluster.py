@@ -255,21 +255,19 @@ class ClusterSim:
             overhead[i] = wallclock.perf_counter() - t0
             inst = insts[d.index]
             inst.now = t
-            if lazy and not inst.engine.idle and inst.engine.time < t:
-                inst.engine.run_until(t)
+            if lazy and inst.busy_until() < t:
+                inst.advance(t)
             for est in self.shadow_estimators:
                 shadow[est.name][i] = est.ttft(inst, req.prompt_tokens, t,
                                                hashes=req.prompt_hashes)
             inst.sync()
             if self.charge_overhead:  # the request reaches the instance after the decision
-                inst.engine.run_until(t + overhead[i])
+                inst.advance(t + overhead[i])
             mi = inst_model[d.index]
             out = int(requests.output[i, mi])
             hashes = (engine_hashes(requests, i, out, inst.engine.config.block_size)
                       if shared and inst.engine.caching else ())
-            inst.engine.add(str(i), int(requests.prompt[i]), out,
-                            predicted_output_tokens=int(pred_out[i, mi]), arrival=t,
-                            hashes=hashes)
+            inst.submit(str(i), int(requests.prompt[i]), out, int(pred_out[i, mi]), t, hashes)
             chosen[i] = d.index
             if d.forecast is not None:
                 forecast[i] = d.forecast
@@ -284,22 +282,22 @@ class ClusterSim:
             for i in range(n):
                 t = float(requests.arrival[i])
                 for k in () if lazy else _due(busy_until, t):
-                    eng = insts[k].engine
-                    eng.run_until(t)
-                    busy_until[k] = np.inf if eng.idle else eng.time
+                    insts[k].advance(t)
+                    busy_until[k] = insts[k].busy_until()
                 dispatch(i, t)
                 k = int(chosen[i])
-                busy_until[k] = insts[k].engine.time
+                busy_until[k] = insts[k].busy_until()
         else:
+            if any(inst.queue is not None for inst in insts):
+                raise ValueError("closed_loop: instances with a frontend are simulated in "
+                                 "open loop only (not yet in closed loops)")
             requests = self._closed_loop(requests, insts, closed_loop, dispatch)
         first = np.full(n, np.nan)
         fin = np.full(n, np.nan)
         for k, inst in enumerate(insts):
-            inst.engine.drain()
+            inst.drain()
             mine = np.flatnonzero(chosen == k)
-            done = inst.engine.lookup([str(i) for i in mine.tolist()])
-            first[mine] = done.first_token
-            fin[mine] = done.finish_time
+            first[mine], fin[mine] = inst.delivered([str(i) for i in mine.tolist()])
         prices = np.array([[prof.models[m].price_prompt, prof.models[m].price_output]
                            for m in models])
         queries = hits = None

@@ -97,6 +97,9 @@ def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: 
     success_pred = (success.quality_table(QueryTable([task] * n, [str(q) for q in range(n)]),
                                           names, success=True)
                     if isinstance(success, QualitySource) else np.asarray(success, dtype=float))
+    if any(models[m].frontend is not None for m in names):
+        raise ValueError("run_retries: instances with a frontend are not simulated with "
+                         "retries yet")
     insts = [SimInstance(m, models[m], cache_view=cache_view) for m in names]
     cands = [Candidate(m, m, 0.0, 0.0, inst) for m, inst in zip(names, insts, strict=True)]
     rng = np.random.default_rng(seed)
