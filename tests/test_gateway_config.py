@@ -221,6 +221,32 @@ def test_the_frontend_s_queue_enters_sfs_s_forecast(tmp_path):
     assert got == pytest.approx(3 * 0.005, abs=1e-3)
 
 
+def test_the_gateway_follows_an_api_server_s_hand_offs():
+    """Requests sent to an instance with a ``frontend`` queue at its API server: the gateway
+    counts the hand-offs it sent (from their dispatch times) and a request sent after k of
+    them waits k hand-offs more in its forecast; ended requests no longer count once the
+    queue has passed them."""
+    from duetime.gateway.backends.memory import MemoryStore
+    from duetime.gateway.prometheus import GatewayMetrics
+    from duetime.gateway.state.flight import Flight
+    from duetime.gateway.state.instance import InstanceState
+    from duetime.gateway.state.lifecycle import Attempt, Lifecycle
+
+    pool = pool_from_dict({"instances": [{"name": "s", "model": "qwen3-0.6b", "url": "http://h",
+                                          "profile": "qwen3-0.6b",
+                                          "frontend": {"request_ms": 20, "chunk_ms": 0}}]})
+    t0 = 1000.0
+    st = InstanceState(pool.instances[0], pool, GatewayMetrics(), MemoryStore(), t0)
+    lifecycle = Lifecycle([])
+    assert st.frontend_wait_s(t0) == 0.0
+    for k in range(3):
+        lifecycle.dispatch(Attempt(Flight(f"r{k}", 10, 5, t0, None), st, 1, t0, 1.0, "test",
+                                   "shadow"))
+    assert st.frontend_wait_s(t0) == pytest.approx(0.060)
+    assert st.frontend_wait_s(t0 + 0.05) == pytest.approx(0.010)
+    assert st.frontend_wait_s(t0 + 0.1) == 0.0
+
+
 def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
     import json
 

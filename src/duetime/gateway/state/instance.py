@@ -36,6 +36,7 @@ from duetime.gateway.config import Instance, Pool
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.state.event_cache import EventCache
 from duetime.gateway.state.flight import Flight, FlightStore
+from duetime.gateway.state.frontend_queue import FrontendQueue
 from duetime.gateway.state.health import EjectionBudget, HealthTracker
 from duetime.gateway.state.ledger import Ledger
 from duetime.gateway.state.lifecycle import Attempt, Subscriber
@@ -114,10 +115,13 @@ class InstanceState:
         # instance's (see duetime.gateway.state.shadow)
         self.prefix_index = (EngineCacheIndex(self.shadow.engine)
                              if self.instance.config.enable_prefix_caching else None)
+        fm = self.instance.frontend
+        self.frontend_queue = None if fm is None else FrontendQueue(fm, now)
         # the instance's own lifecycle subscribers, in order (docs/architecture.md)
         self.subscribers: list[Subscriber] = [
             self.ledger, *([self.events] if self.events is not None else []), self.shadow,
-            self._correction, self.health]
+            self._correction, self.health,
+            *([self.frontend_queue] if self.frontend_queue is not None else [])]
 
     def adopt_cache_config(self, info: Mapping[str, int | bool]) -> bool:
         """The instance reported its KV cache (``vllm:cache_config_info``: block size, KV
@@ -271,6 +275,11 @@ class InstanceState:
     def frontend(self) -> FrontendModel | None:
         """The instance's API-server costs (its forecasts add their queue), if calibrated."""
         return self.instance.frontend
+
+    def frontend_wait_s(self, now: float) -> float:
+        """The hand-offs queued at its API server ahead of a request sent ``now``."""
+        q = self.frontend_queue
+        return 0.0 if q is None else q.wait_s(now)
 
     # -- time -----------------------------------------------------------------------------------
 
