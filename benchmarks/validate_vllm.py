@@ -2,7 +2,7 @@
 build; ``scripts/vllm_cpu/setup_env.sh``), calibrate it with ``duetime calibrate``'s code, and
 run ``duetime validate`` against it with that calibration as the profile.
 
-    python benchmarks/validate_vllm.py [--model tiny-large|tiny-small]
+    python benchmarks/validate_vllm.py [--model tiny-large|tiny-small|tiny-small,tiny-large]
         [--gateway | --via direct,serve,serve-steps,envoy] [--nice N] [--out DIR]
         [-- VALIDATE OPTIONS...]
 
@@ -42,7 +42,9 @@ sys.path.insert(0, str(REPO))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=("tiny-large", "tiny-small"), default="tiny-large")
+    ap.add_argument("--model", default="tiny-large", metavar="MODELS",
+                    help="tiny-large (default), tiny-small, or both comma-separated (one "
+                    "after the other, each in its own sub-folder of --out)")
     ap.add_argument("--gateway", action="store_true",
                     help="drive the server through a duetime gateway (live forecasts)")
     ap.add_argument("--via", default=None, metavar="FRONTS",
@@ -59,22 +61,36 @@ def main() -> None:
     rest = [a for a in args.rest if a != "--"] or ["--loads", "0.25,0.5,0.75",
                                                    "--requests", "100"]
 
-    from tests.e2e import conftest as fx
-    from tests.e2e.gateway_pool import instance_config, pool_config, serve
-
     fronts = (args.via or ("serve" if args.gateway else "direct")).split(",")
     bad = [f for f in fronts if f not in ("direct", "serve", "serve-steps", "envoy")]
     if bad:
         raise SystemExit(f"validate_vllm: --via: unknown front(s) {bad}")
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(
-        prefix=f"{args.model}-", dir=REPO / ".cache"))
+    models = args.model.split(",")
+    unknown = [m for m in models if m not in ("tiny-large", "tiny-small")]
+    if unknown or not models:
+        raise SystemExit(f"validate_vllm: --model: unknown model(s) {unknown}; expected "
+                         "tiny-large, tiny-small")
+    base = Path(args.out) if args.out else Path(tempfile.mkdtemp(
+        prefix=f"{'+'.join(models)}-", dir=REPO / ".cache"))
+    for model in models:
+        if len(models) > 1:
+            print(f"\n## {model}")
+        validate(model, fronts, rest, base / model if len(models) > 1 else base, args.nice)
+
+
+def validate(model: str, fronts: list[str], rest: list[str], out: Path, nice: int) -> None:
+    """Start ``model``'s server, calibrate it, and run ``duetime validate`` through each front
+    in turn; print the reports' tables."""
+    from tests.e2e import conftest as fx
+    from tests.e2e.gateway_pool import instance_config, pool_config, serve
+
     out.mkdir(parents=True, exist_ok=True)
     live: dict[str, tuple[float, float]] = {}
-    with fx.one_server(args.model, "validate_vllm") as described, \
+    with fx.one_server(model, "validate_vllm") as described, \
             contextlib.ExitStack() as stack:
-        if args.nice:
+        if nice:
             import os
-            os.setpriority(os.PRIO_PGRP, os.getpgid(described.pid), args.nice)
+            os.setpriority(os.PRIO_PGRP, os.getpgid(described.pid), nice)
         server = fx._calibrate(described)
         profile = out / "profile.yaml"
         profile.write_text(yaml.safe_dump(server.calibration, sort_keys=False))
@@ -95,7 +111,7 @@ def main() -> None:
                 elif front == "envoy":
                     url = running.enter_context(envoy_and_picker(cfg, out))
                 cmd = [sys.executable, "-m", "duetime", "validate", url, "--model",
-                       args.model, "--profile", str(profile), "--out", str(report), *rest]
+                       model, "--profile", str(profile), "--out", str(report), *rest]
                 print(f"validate_vllm ({front}): " + " ".join(cmd[2:]), file=sys.stderr)
                 if subprocess.call(cmd) != 0:
                     raise SystemExit(f"validate_vllm: the {front} run failed")
