@@ -175,3 +175,33 @@ def test_validate_errors_are_one_line(args, message, tmp_path, capsys):
     assert main([*base, *rest]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_replay_goes_through_the_profile_s_frontend():
+    """A profile with a ``frontend``: ``replay`` runs the trace through the API server's queue
+    (``serve_trace``), its own work taken out of the overhead it already holds: a lone
+    request's prediction is unchanged, and requests sent together queue at the server."""
+    from dataclasses import replace
+
+    from duetime.calibrate.validation import Record, replay
+    from duetime.engine.frontend import FrontendModel
+    from duetime.engine.profiles import load_profile
+
+    spec = replace(load_profile("qwen3-0.6b"), request_overhead_s=0.010)
+    fronted = replace(spec, frontend=FrontendModel(request_s=0.004, chunk_s=0.001))
+
+    def trace(n: int) -> list[Record]:
+        return [Record(f"r{k}", 0.5, "poisson", 1.0, 100, 8, first_token=2.0, finished=3.0,
+                       output_tokens=8) for k in range(n)]
+
+    lone, lone_fe = trace(1), trace(1)
+    replay(lone, spec)
+    replay(lone_fe, fronted)
+    assert lone_fe[0].predicted_ttft == pytest.approx(lone[0].predicted_ttft, abs=1e-9)
+    many, many_fe = trace(5), trace(5)
+    replay(many, spec)
+    replay(many_fe, fronted)
+    # the k-th waits k more hand-offs than a lone request, then a step at least as long
+    for k, r in enumerate(many_fe):
+        assert r.predicted_ttft >= lone_fe[0].predicted_ttft + k * 0.004 - 1e-9
+    assert many_fe[4].predicted_ttft > many[4].predicted_ttft
