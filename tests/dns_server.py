@@ -19,9 +19,17 @@ import pytest
 
 
 def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free for UDP and for TCP both (dnsmasq listens on both)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as t:
+                try:
+                    t.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            return port
 
 
 def _query(port: int) -> bytes:
@@ -46,8 +54,21 @@ class DnsServer:
         self.port = free_udp_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False  # (once: its address is out)
 
-    def start(self) -> None:
+    def start(self, tries: int = 3) -> None:
+        """Start it and wait for an answer. At its first start a port taken meanwhile by
+        another process (the suite's servers bind ports all the time) means another free
+        port, ``tries`` times; a restart keeps its address (what the gateway was given)."""
+        tries = tries if not self.started else 1
+        for attempt in range(1, tries + 1):
+            if self._start(last=attempt == tries):
+                self.started = True
+                return
+            self.port = free_udp_port()
+            self.address = f"127.0.0.1:{self.port}"
+
+    def _start(self, last: bool) -> bool:
         self.proc = subprocess.Popen(
             [self.exe, "--keep-in-foreground", f"--port={self.port}",
              "--listen-address=127.0.0.1", "--bind-interfaces", "--no-resolv", "--no-hosts",
@@ -61,11 +82,13 @@ class DnsServer:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     err = self.log.read_text(errors="replace")
+                    if "Address already in use" in err and not last:
+                        return False
                     pytest.fail(f"dnsmasq exited at start ({self.proc.returncode}): {err}")
                 try:
                     s.sendto(_query(self.port), ("127.0.0.1", self.port))
                     s.recv(512)
-                    return
+                    return True
                 except OSError:
                     time.sleep(0.05)
         pytest.fail("dnsmasq did not answer within 10 s")

@@ -330,7 +330,10 @@ def test_unhealthy_instance_stays_out_until_its_health_probe_passes():
             return r1, still_out, r2, back, r3
 
     r1, still_out, r2, back, r3 = run(go())
-    assert (r1.headers["x-duetime-instance"], r1.headers["x-duetime-attempts"]) == ("b", "2")
+    # (a second attempt if a was still in rotation when r1 was routed; one if a health probe
+    # had already taken it out: the probes run every 0.1 s, whatever this machine's pace)
+    assert r1.headers["x-duetime-instance"] == "b"
+    assert r1.headers["x-duetime-attempts"] in ("1", "2")
     assert still_out
     assert (r2.headers["x-duetime-instance"], r2.headers["x-duetime-attempts"]) == ("b", "1")
     assert back and r3.headers["x-duetime-instance"] == "a"
