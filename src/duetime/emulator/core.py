@@ -363,15 +363,21 @@ class Emulator:
                 made += 1
         if made:
             self.m_gen.inc(made)
+        self._first_tokens(t, first)
+        for rid in finished:
+            req = active.pop(rid, None)
+            if req is not None:
+                self._finish(req, t)
+
+    def _first_tokens(self, t: float, first: list[str]) -> None:
+        """The engine made these requests' first tokens at ``t`` (vLLM's TTFT histogram is
+        the engine's, whatever the frontend does after)."""
+        active = self._active
         for rid in first:
             req = active.get(rid)
             if req is not None:
                 req.first_token_time = t
                 self.m_ttft.observe(t - req.arrival)
-        for rid in finished:
-            req = active.pop(rid, None)
-            if req is not None:
-                self._finish(req, t)
 
     def _finish(self, req: EmuRequest, t: float) -> None:
         req.done = True
@@ -397,11 +403,7 @@ class Emulator:
         now = time.monotonic()
         for rid, at in zip(live, fe.emit(t, live), strict=True):
             loop.call_later(max(0.0, at - now), self._deliver, active[rid])
-        for rid in first:
-            req = active.get(rid)
-            if req is not None:
-                req.first_token_time = t
-                self.m_ttft.observe(t - req.arrival)
+        self._first_tokens(t, first)
         for rid in finished:
             if active.pop(rid, None) is not None:
                 fe.finish(rid)

@@ -21,6 +21,7 @@ CPU counter (``process_cpu_seconds_total`` on vLLM's ``/metrics``).
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -141,47 +142,96 @@ class Delivered:
     last: float
 
 
+class FrontedEngine:
+    """An engine behind a frontend, stepped forward in time: a request submitted at ``t`` is
+    admitted by the frontend then and reaches the engine's waiting tail when handed over;
+    each step's outputs go back through the frontend when the step makes them. A step's
+    outputs are applied once time passes them (:meth:`advance` to a later time), so a request
+    sent while the step runs is ahead of them at the server, as it is on a real one."""
+
+    __slots__ = ("_first", "_handing", "_outputs", "_seq", "delivered", "engine", "frontend")
+
+    def __init__(self, engine: Any, frontend: Frontend) -> None:
+        """``engine``: an :class:`~duetime.engine.engine.Engine`."""
+        self.engine = engine
+        self.frontend = frontend
+        self.delivered: dict[str, Delivered] = {}  # requests whose last token is out
+        # admitted, not at the engine yet: (reach, order, id, prompt, output, predicted, keys)
+        self._handing: list[tuple[float, int, str, int, int, int | None, Sequence[int]]] = []
+        self._seq = 0
+        # steps' outputs not applied yet: (made at, ids with a token, ids finished)
+        self._outputs: list[tuple[float, list[str], list[str]]] = []
+        self._first: dict[str, float] = {}
+
+    def busy_until(self) -> float:
+        """When there is next something to do (inf when nothing): the engine's clock while it
+        has work, the next hand-off, or outputs not applied yet."""
+        eng = self.engine
+        t = math.inf if eng.idle else eng.time
+        if self._handing:
+            t = min(t, self._handing[0][0])
+        return min(t, self._outputs[0][0]) if self._outputs else t
+
+    def submit(self, rid: str, prompt: int, output: int, t: float, *,
+               predicted: int | None = None, hashes: Sequence[int] = ()) -> None:
+        """A request sent at ``t`` (after :meth:`advance` to ``t``)."""
+        reach = self.frontend.admit(rid, t)
+        self._seq += 1
+        heapq.heappush(self._handing, (reach, self._seq, rid, prompt, output, predicted,
+                                       hashes))
+
+    def advance(self, t: float) -> None:
+        """Step until the clock is at ``t`` (the last step may end after it), handing requests
+        over as they reach the engine; then apply the outputs made by ``t``."""
+        eng, handing = self.engine, self._handing
+        while True:
+            if eng.idle:
+                if not handing or handing[0][0] >= t:
+                    if t != math.inf:
+                        eng.set_clock(t)
+                    break
+                eng.set_clock(handing[0][0])
+            elif eng.time >= t:
+                break
+            while handing and handing[0][0] <= eng.time:
+                reach, _, rid, prompt, output, predicted, hashes = heapq.heappop(handing)
+                eng.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=reach,
+                        hashes=hashes)
+            ev = eng.step(tokens=True)
+            if ev is not None:
+                self._outputs.append((ev.outputs_at, ev.tokens, ev.finished_ids))
+        self._apply(t)
+
+    def drain(self) -> None:
+        """Run until nothing is left (requests still in the frontend included)."""
+        self.advance(math.inf)
+
+    def _apply(self, t: float) -> None:
+        fe, first, outputs = self.frontend, self._first, self._outputs
+        k = 0
+        while k < len(outputs) and outputs[k][0] <= t:
+            at, tokens, finished = outputs[k]
+            for rid, sent in zip(tokens, fe.emit(at, tokens), strict=True):
+                first.setdefault(rid, sent)
+            for rid in finished:
+                # (the last token's chunk: this step's, or the queued one it merged into)
+                self.delivered[rid] = Delivered(first.pop(rid), fe.chunk_end(rid))
+                fe.finish(rid)
+            k += 1
+        del outputs[:k]
+
+
 def serve_trace(engine: Any, frontend: Frontend,
                 sends: Sequence[tuple[str, float, int, int]]) -> dict[str, Delivered]:
     """Run requests through ``frontend`` and ``engine`` together, in time order: each request
     (``(id, sent, prompt tokens, output tokens)``, in send order) is admitted by the frontend
     when sent and reaches the engine when admitted; each step's outputs go back through the
-    frontend when the step makes them. ``engine`` (an :class:`~duetime.engine.engine.Engine`)
-    is run until idle. Returns each request's first and last delivery."""
-    import heapq
-
-    reach: list[tuple[float, int, str, int, int]] = []  # admitted, not in the engine yet
-    out: dict[str, Delivered] = {}
-    first: dict[str, float] = {}
-    i, n = 0, len(sends)
-
-    def admit_until(t: float) -> None:
-        nonlocal i
-        while i < n and sends[i][1] <= t:
-            rid, sent, prompt, output = sends[i]
-            heapq.heappush(reach, (frontend.admit(rid, sent), i, rid, prompt, output))
-            i += 1
-
-    while i < n or reach or not engine.idle:
-        if engine.idle:  # (nothing to step: the next admission or hand-off comes first)
-            nxt = min(reach[0][0] if reach else math.inf, sends[i][1] if i < n else math.inf)
-            admit_until(nxt)
-            if not reach or reach[0][0] > nxt:
-                continue
-            engine.run_until(reach[0][0])
-        admit_until(engine.time)
-        while reach and reach[0][0] <= engine.time:
-            t, _, rid, prompt, output = heapq.heappop(reach)
-            engine.add(rid, prompt, output, arrival=t)
-        ev = engine.step(tokens=True)
-        if ev is None:
-            continue
-        admit_until(ev.outputs_at)  # (sends before the outputs are ahead of their chunks)
-        done = frontend.emit(ev.outputs_at, ev.tokens)
-        for rid, t in zip(ev.tokens, done, strict=True):
-            first.setdefault(rid, t)
-        for rid in ev.finished_ids:
-            # (the last token's chunk: this step's, or the queued one it merged into)
-            out[rid] = Delivered(first[rid], frontend.chunk_end(rid))
-            frontend.finish(rid)
-    return out
+    frontend when the step makes them (:class:`FrontedEngine`). ``engine`` (an
+    :class:`~duetime.engine.engine.Engine`) is run until idle. Returns each request's first
+    and last delivery."""
+    fronted = FrontedEngine(engine, frontend)
+    for rid, sent, prompt, output in sends:
+        fronted.advance(sent)
+        fronted.submit(rid, prompt, output, sent)
+    fronted.drain()
+    return fronted.delivered

@@ -288,7 +288,7 @@ class ClusterSim:
                 k = int(chosen[i])
                 busy_until[k] = insts[k].busy_until()
         else:
-            if any(inst.queue is not None for inst in insts):
+            if any(inst.fronted is not None for inst in insts):
                 raise ValueError("closed_loop: instances with a frontend are simulated in "
                                  "open loop only (not yet in closed loops)")
             requests = self._closed_loop(requests, insts, closed_loop, dispatch)

@@ -4,14 +4,13 @@ router gets (the policies' :class:`~duetime.estimate.base.InstanceView`, with a
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from duetime.engine.engine import Engine
-from duetime.engine.frontend import Frontend, FrontendModel
+from duetime.engine.frontend import FrontedEngine, Frontend, FrontendModel
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec
 from duetime.engine.wait_estimate import LoadBoard
@@ -39,13 +38,9 @@ class SimInstance:
         self.prefix_index = prefix_index_for(self.engine, cache_view)
         self.board: LoadBoard | None = None
         self.board_index = -1
-        # the spec's API server between the clients and the engine (engine/frontend.py): the
-        # requests it has not handed over yet, and when each request's first and last tokens
-        # reached its client
-        self.queue = None if spec.frontend is None else Frontend(spec.frontend)
-        self._handing: list[tuple[float, int, str, int, int, int, Sequence[int]]] = []
-        self._seq = 0
-        self._delivered: dict[str, list[float]] = {}
+        # the spec's API server between the clients and the engine (engine/frontend.py)
+        self.fronted = (None if spec.frontend is None
+                        else FrontedEngine(self.engine, Frontend(spec.frontend)))
 
     def join_board(self, board: LoadBoard, index: int) -> None:
         """Keep the engine's wait summary in row ``index`` of the pool's ``board`` (what a
@@ -57,59 +52,30 @@ class SimInstance:
 
     def busy_until(self) -> float:
         """When the instance next has something to do (inf when nothing): its engine's clock
-        while it has work, or the next hand-off of the frontend."""
+        while it has work (or, with a frontend, its next hand-off or outputs to send)."""
+        if self.fronted is not None:
+            return self.fronted.busy_until()
         eng = self.engine
-        t = math.inf if eng.idle else eng.time
-        return min(t, self._handing[0][0]) if self._handing else t
+        return math.inf if eng.idle else eng.time
 
     def submit(self, rid: str, prompt: int, output: int, predicted: int, t: float,
                hashes: Sequence[int] = ()) -> None:
         """A request sent at ``t`` (the instance has been advanced to ``t``): at the engine's
         waiting tail now, or when its frontend hands it over."""
-        if self.queue is None:
+        if self.fronted is None:
             self.engine.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=t,
                             hashes=hashes)
-            return
-        reach = self.queue.admit(rid, t)
-        self._seq += 1
-        heapq.heappush(self._handing, (reach, self._seq, rid, prompt, output, predicted,
-                                       hashes))
+        else:
+            self.fronted.submit(rid, prompt, output, t, predicted=predicted, hashes=hashes)
 
     def advance(self, t: float) -> None:
         """Step until the clock is at ``t`` (the last step may end after it), as
-        ``Engine.run_until``; with a frontend, step by step, handing requests over when they
-        reach the engine and each step's outputs to the frontend."""
-        if self.queue is None:
+        ``Engine.run_until``; with a frontend, step by step through it
+        (:class:`~duetime.engine.frontend.FrontedEngine`)."""
+        if self.fronted is None:
             self.engine.run_until(t)
-            return
-        eng, handing = self.engine, self._handing
-        while True:
-            if eng.idle:
-                if not handing or handing[0][0] >= t:
-                    if t != math.inf:
-                        eng.set_clock(t)
-                    return
-                eng.set_clock(handing[0][0])
-            elif eng.time >= t:
-                return
-            while handing and handing[0][0] <= eng.time:
-                reach, _, rid, prompt, output, predicted, hashes = heapq.heappop(handing)
-                eng.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=reach,
-                        hashes=hashes)
-            ev = eng.step(tokens=True)
-            if ev is not None:
-                self._emit(ev.outputs_at, ev.tokens, ev.finished_ids)
-
-    def _emit(self, t: float, tokens: list[str], finished: list[str]) -> None:
-        fe = self.queue
-        assert fe is not None
-        got = self._delivered
-        for rid, at in zip(tokens, fe.emit(t, tokens), strict=True):
-            if rid not in got:
-                got[rid] = [at, math.nan]
-        for rid in finished:
-            got[rid][1] = fe.chunk_end(rid)
-            fe.finish(rid)
+        else:
+            self.fronted.advance(t)
 
     def drain(self) -> None:
         """Run until nothing is left (requests still in the frontend included)."""
@@ -118,12 +84,12 @@ class SimInstance:
     def delivered(self, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(first token, finish) times of requests ``ids`` as their clients see them: the
         engine's, or past the frontend where there is one."""
-        if self.queue is None:
+        if self.fronted is None:
             done = self.engine.lookup(ids)
             return done.first_token, done.finish_time
-        got = self._delivered
-        nan = [math.nan, math.nan]
-        rows = np.array([got.get(i, nan) for i in ids], dtype=float).reshape(len(ids), 2)
+        got = self.fronted.delivered
+        rows = np.array([(got[i].first, got[i].last) if i in got else (math.nan, math.nan)
+                         for i in ids], dtype=float).reshape(len(ids), 2)
         return rows[:, 0], rows[:, 1]
 
     # InstanceView
@@ -135,7 +101,7 @@ class SimInstance:
     def frontend_wait_s(self, now: float) -> float:
         """The backlog a request sent ``now`` waits behind at the frontend (the simulator
         knows it exactly)."""
-        return 0.0 if self.queue is None else self.queue.wait_s(now)
+        return 0.0 if self.fronted is None else self.fronted.frontend.wait_s(now)
 
     @property
     def num_running(self) -> int:
