@@ -205,3 +205,38 @@ def test_the_replay_goes_through_the_profile_s_frontend():
     for k, r in enumerate(many_fe):
         assert r.predicted_ttft >= lone_fe[0].predicted_ttft + k * 0.004 - 1e-9
     assert many_fe[4].predicted_ttft > many[4].predicted_ttft
+
+
+def test_the_step_corrected_replay_learns_a_slower_server():
+    """A server whose decode steps take twice the profile's: the static replay's ITL is half the
+    observed; the step-corrected replay learns the factor from the requests ended before each
+    send (three samples: :class:`~duetime.estimate.correction.StepCorrection`'s minimum) and
+    predicts the later ones' ITL, and their TTFT moves with it."""
+    from duetime.calibrate.validation import Record, replay
+    from duetime.engine.engine import Engine
+    from duetime.engine.profiles import load_profile
+
+    spec = load_profile("qwen3-0.6b")
+    out = 40
+    lone = Engine(spec.config, spec.batch_time, time=0.0)
+    lone.add("x", 100, out, arrival=0.0)
+    lone.drain()
+    col = lone.lookup(["x"])
+    first, fin = float(col.first_token[0]), float(col.finish_time[0])
+    itl = (fin - first) / (out - 1)
+    recs = []
+    for k in range(8):  # far apart: no queue, each ended before the next is sent
+        sent = 10.0 * k
+        ttft = 2 * first
+        recs.append(Record(f"r{k}", 0.5, "poisson", sent, 100, out, first_token=sent + ttft,
+                           finished=sent + ttft + 2 * itl * (out - 1), output_tokens=out,
+                           chunks=out, last_token=sent + ttft + 2 * itl * (out - 1)))
+    replay(recs, spec)
+    for r in recs:
+        assert r.predicted_itl == pytest.approx(itl, rel=1e-6)
+    for r in recs[:3]:  # nothing learnt yet: the static replay
+        assert r.step_itl == pytest.approx(r.predicted_itl, rel=1e-9)
+        assert r.step_ttft == pytest.approx(r.predicted_ttft, rel=1e-9)
+    for r in recs[3:]:
+        assert r.step_itl == pytest.approx(r.itl, rel=1e-6)
+        assert r.step_ttft > 1.5 * r.predicted_ttft

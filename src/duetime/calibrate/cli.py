@@ -260,7 +260,9 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
           + (f"; live gateway forecasts {summary['live_ttft_median_abs_pct_error']:.1%}, "
              f"{summary['live_ttft_p90_abs_pct_error']:.1%}"
              if math.isfinite(summary["live_ttft_median_abs_pct_error"]) else "")
-          + f") over {summary['requests']} "
+          + f"); ITL |error| median {summary['itl_median_abs_pct_error']:.1%} (with the "
+          f"step-time correction {summary['step_itl_median_abs_pct_error']:.1%}) over "
+          f"{summary['requests']} "
           f"requests ({summary['failed']} failed); wrote {out}/report.md")
     return 0
 
@@ -273,7 +275,8 @@ def add_validate_command(sub: Any, command: Any, error: type[Exception]) -> None
                 "workload at several loads (fractions of its capacity, measured first with a "
                 "closed loop), record every request's timeline, replay the same trace through "
                 "the engine with the instance's profile, and report the TTFT and end-to-end "
-                "errors per load (and each request's inter-token latency, and vLLM's own "
+                "errors per load (and each request's inter-token latency, with and without "
+                "the gateway's online step-time correction, and vLLM's own "
                 "engine-side histograms where it exports them): report.md, results.csv, "
                 "summary.json and PNGs in --out. Pointed at a `duetime serve`, the gateway's "
                 "live forecasts are scored too. Token-id prompts on /v1/completions, streamed, "

@@ -25,7 +25,10 @@ it did through duetime's engine:
    token over ``output - 1``) against the replay's; and, where the server exports vLLM's
    histograms on ``/metrics``, the server's own mean inter-token latency and engine-side TTFT
    over each run (scraped before and after it) against the replay's: how much of the error is
-   the batch-time model and how much is outside the engine.
+   the batch-time model and how much is outside the engine. And a second replay with the
+   gateway's online step-time correction (``state.step_correction``): at each send the engine's
+   step time is scaled by what the requests ended by then taught (:class:`StepLearner`); its
+   ITL and TTFT errors are reported beside the static replay's.
 6. **Live.** Driving a duetime gateway (``URL`` is a ``duetime serve``), each answer's
    ``x-duetime-forecast-ttft-ms`` is the forecast the gateway routed on, made from its live
    state with its online correction: its error is reported too.
@@ -50,9 +53,9 @@ import aiohttp
 import numpy as np
 
 from duetime.engine.engine import Engine
-from duetime.engine.frontend import Frontend, serve_trace
+from duetime.engine.frontend import FrontedEngine, Frontend
 from duetime.engine.spec import InstanceSpec
-from duetime.estimate.correction import TtftCorrection
+from duetime.estimate.correction import StepCorrection, TtftCorrection
 from duetime.workload.arrivals import MMPP2, Poisson
 
 ARRIVALS = ("poisson", "bursty")
@@ -98,6 +101,8 @@ class Record:
     predicted_e2e: float = math.nan
     predicted_itl: float = math.nan
     corrected_ttft: float = math.nan  # predicted_ttft x the online correction at its send
+    step_ttft: float = math.nan  # the replay with the step-time correction learnt online
+    step_itl: float = math.nan
 
     @property
     def ttft(self) -> float:
@@ -268,31 +273,84 @@ async def measure_capacity(client: Client, mix: Mix, clients: int, n: int,
 
 def replay(recs: list[Record], spec: InstanceSpec) -> None:
     """Predict each completed request's TTFT and end-to-end latency by running the trace
-    through the engine (``spec``: the instance's profile); sets ``predicted_*``."""
+    through the engine (``spec``: the instance's profile); sets ``predicted_*``, the TTFT
+    correction's ``corrected_ttft`` and the step-corrected replay's ``step_*``."""
     done = sorted((r for r in recs if r.ok), key=lambda r: r.sent)
     if not done:
         return
-    eng = Engine(spec.config, spec.batch_time, time=done[0].sent)
     o = spec.request_overhead_s
     if spec.frontend is not None:  # (through the API server's queue: its own work is in o)
-        got = serve_trace(eng, Frontend(spec.frontend, done[0].sent),
-                          [(r.id, r.sent, r.prompt_tokens, r.output_tokens) for r in done])
-        firsts = [got[r.id].first for r in done]
-        fins = [got[r.id].last for r in done]
         o = max(0.0, o - spec.frontend.own_s)
-    else:
-        for r in done:
-            eng.run_until(r.sent)
-            eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent)
-        eng.drain()
-        cols = eng.lookup([r.id for r in done])
-        firsts, fins = cols.first_token.tolist(), cols.finish_time.tolist()
-    for r, first, fin in zip(done, firsts, fins, strict=True):
+    for r, (first, fin) in zip(done, _run(done, spec), strict=True):
         r.predicted_ttft = first - r.sent + o
         r.predicted_e2e = fin - r.sent + o
         if r.output_tokens > 1:
             r.predicted_itl = (fin - first) / (r.output_tokens - 1)
     correct(done)
+    steps = StepLearner(done)
+    for r, (first, fin) in zip(done, _run(done, spec, steps), strict=True):
+        r.step_ttft = first - r.sent + o
+        if r.output_tokens > 1:
+            r.step_itl = (fin - first) / (r.output_tokens - 1)
+
+
+class StepLearner:
+    """The gateway's step-time correction (:class:`~duetime.estimate.correction.StepCorrection`)
+    over a trace: at each send, the factor learnt from the requests whose last token the client
+    had seen by then, each one sample of its observed decode time against the static replay's
+    (how many tokens the replay would have made in the time the server took: ``duration /
+    predicted_itl`` against ``output - 1``). The gateway learns the same from token counts as
+    they stream; here a request teaches once it has ended (its chunks' times are in the
+    record only as first and last)."""
+
+    def __init__(self, done: list[Record]) -> None:
+        self._ended = sorted((r for r in done if math.isfinite(r.itl)
+                              and math.isfinite(r.predicted_itl) and r.predicted_itl > 0),
+                             key=lambda r: r.last_token)
+        self._k = 0
+        self.correction = StepCorrection()
+
+    def factor_at(self, t: float) -> float:
+        """The factor to multiply step times by for a request sent at ``t``."""
+        ended, c = self._ended, self.correction
+        while self._k < len(ended) and ended[self._k].last_token < t:
+            r = ended[self._k]
+            n = r.output_tokens - 1
+            c.observe(n * r.itl / r.predicted_itl, n)
+            self._k += 1
+        return c.factor
+
+
+def _run(done: list[Record], spec: InstanceSpec,
+         steps: StepLearner | None = None) -> list[tuple[float, float]]:
+    """Each request's (first token, last token) in the replay of ``done`` (in send order):
+    through the API server's queue where the profile has one; with ``steps``, the engine's
+    step time scaled at each send by the step correction learnt so far."""
+    eng = Engine(spec.config, spec.batch_time, time=done[0].sent)
+    applied = 1.0
+
+    def rescale(t: float) -> None:
+        nonlocal applied
+        f = steps.factor_at(t) if steps is not None else 1.0
+        if f != applied:
+            eng.set_model(spec.batch_time.scaled(1.0 / f))
+            applied = f
+
+    if spec.frontend is not None:
+        fronted = FrontedEngine(eng, Frontend(spec.frontend, done[0].sent))
+        for r in done:
+            fronted.advance(r.sent)
+            rescale(r.sent)
+            fronted.submit(r.id, r.prompt_tokens, r.output_tokens, r.sent)
+        fronted.drain()
+        return [(fronted.delivered[r.id].first, fronted.delivered[r.id].last) for r in done]
+    for r in done:
+        eng.run_until(r.sent)
+        rescale(r.sent)
+        eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent)
+    eng.drain()
+    cols = eng.lookup([r.id for r in done])
+    return list(zip(cols.first_token.tolist(), cols.finish_time.tolist(), strict=True))
 
 
 def correct(done: list[Record]) -> None:
@@ -313,8 +371,8 @@ def correct(done: list[Record]) -> None:
 def errors(recs: list[Record], what: str, prediction: str = "predicted") -> np.ndarray:
     """Relative errors (prediction / observed - 1) of ``ttft``, ``e2e`` or ``itl`` over the
     completed requests with a prediction (``prediction``: ``predicted``, the static model;
-    ``corrected``, with the online correction, or ``live``, a gateway's own forecast: TTFT
-    only)."""
+    ``corrected``, with the online correction; ``step``, the replay with the online step-time
+    correction; or ``live``, a gateway's own forecast: TTFT only)."""
     pairs = [(getattr(r, f"{prediction}_{what}"), getattr(r, what)) for r in recs if r.ok]
     arr = np.array([(p, o) for p, o in pairs if math.isfinite(p) and math.isfinite(o)
                     and o > 0], dtype=float)

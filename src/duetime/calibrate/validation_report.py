@@ -16,7 +16,7 @@ from duetime.calibrate.validation import Record, error_stats, errors
 
 CSV_FIELDS = ("id", "load", "arrivals", "sent_s", "prompt_tokens", "output_tokens", "chunks",
               "ttft_s", "predicted_ttft_s", "corrected_ttft_s", "e2e_s", "predicted_e2e_s",
-              "error", "itl_s", "predicted_itl_s", "live_ttft_s")
+              "error", "itl_s", "predicted_itl_s", "live_ttft_s", "step_ttft_s", "step_itl_s")
 
 # per load: {"server": vLLM's histogram means over the load's runs, "replay": the replay's}
 ServerComparison = dict[float, dict[str, dict[str, float]]]
@@ -65,10 +65,12 @@ def _server_row(srv: dict[str, float], rep: dict[str, float]) -> dict[str, float
 
 
 def _errors_into(out: dict[str, Any], recs: list[Record]) -> None:
-    """The static model's TTFT and e2e errors, and the corrected TTFT's (``corrected_*``)."""
+    """The static model's TTFT, e2e and ITL errors, the corrected TTFT's (``corrected_*``), the
+    live forecast's (``live_*``) and the step-corrected replay's TTFT and ITL (``step_*``)."""
     for prefix, what, prediction in (("", "ttft", "predicted"), ("", "e2e", "predicted"),
                                      ("corrected_", "ttft", "corrected"),
-                                     ("", "itl", "predicted"), ("live_", "ttft", "live")):
+                                     ("", "itl", "predicted"), ("live_", "ttft", "live"),
+                                     ("step_", "itl", "step"), ("step_", "ttft", "step")):
         s = error_stats(errors(recs, what, prediction))
         out[f"{prefix}{what}_median_abs_pct_error"] = s["median_abs"]
         out[f"{prefix}{what}_mean_abs_pct_error"] = s["mean_abs"]
@@ -115,19 +117,23 @@ def step_table(summary: dict[str, Any]) -> str:
     """Per load: the batch-time error (each request's mean inter-token latency), vLLM's own
     engine-side means against the replay's where the server exports them, and a gateway's live
     forecasts where the URL is one (markdown)."""
-    lines = ["| load | ITL abs err p50 | ITL p90 | server ITL mean | replay ITL mean | ITL "
-             "mean err | server TTFT mean (engine) | replay TTFT mean (engine) | TTFT mean "
-             "err | server queue mean | live forecast abs err p50 | live p90 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| load | ITL abs err p50 | ITL p90 | step-corrected ITL p50 | p90 | server ITL mean "
+             "| replay ITL mean | ITL mean err | server TTFT mean (engine) | replay TTFT mean "
+             "(engine) | TTFT mean err | server queue mean | step-corrected TTFT p50 | p90 | "
+             "live forecast abs err p50 | live p90 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [*summary["per_load"].items(), ("all", summary)]
     for load, row in rows:
         srv = row.get("server") or {}
         lines.append(
             f"| {load} | {_pct(row['itl_median_abs_pct_error'])} | "
-            f"{_pct(row['itl_p90_abs_pct_error'])} | {_ms(srv.get('itl_mean_s'))} | "
+            f"{_pct(row['itl_p90_abs_pct_error'])} | {_pct(row['step_itl_median_abs_pct_error'])} | "
+            f"{_pct(row['step_itl_p90_abs_pct_error'])} | {_ms(srv.get('itl_mean_s'))} | "
             f"{_ms(srv.get('replay_itl_mean_s'))} | {_pct(srv.get('itl_mean_pct_error'))} | "
             f"{_ms(srv.get('ttft_mean_s'))} | {_ms(srv.get('replay_ttft_mean_s'))} | "
             f"{_pct(srv.get('ttft_mean_pct_error'))} | {_ms(srv.get('queue_mean_s'))} | "
+            f"{_pct(row['step_ttft_median_abs_pct_error'])} | "
+            f"{_pct(row['step_ttft_p90_abs_pct_error'])} | "
             f"{_pct(row['live_ttft_median_abs_pct_error'])} | "
             f"{_pct(row['live_ttft_p90_abs_pct_error'])} |")
     return "\n".join(lines)
@@ -143,7 +149,7 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
                         r.output_tokens, r.chunks, f"{r.ttft:.6f}", f"{r.predicted_ttft:.6f}",
                         f"{r.corrected_ttft:.6f}", f"{r.e2e:.6f}", f"{r.predicted_e2e:.6f}",
                         r.error or "", f"{r.itl:.6f}", f"{r.predicted_itl:.6f}",
-                        f"{r.live_ttft:.6f}"])
+                        f"{r.live_ttft:.6f}", f"{r.step_ttft:.6f}", f"{r.step_itl:.6f}"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     _plots(out, recs)
     m = summary
@@ -162,7 +168,9 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
             "prediction scaled by what the requests answered before it was sent taught.\n\n" + table(summary) + "\n\n"
             "## Batch time, the engine and the gateway\n\n"
             "`ITL`: each request's mean inter-token latency (its decode steps), replayed against "
-            "observed. `server`: vLLM's own histograms on `/metrics` over each load's runs "
+            "observed. `step-corrected`: a second replay whose step time is scaled at each send by "
+            "the gateway's online step-time correction learnt from the requests ended by then "
+            "(TTFT from that replay too, without the TTFT correction). `server`: vLLM's own histograms on `/metrics` over each load's runs "
             "(engine side, from the server's arrival stamp: no client or HTTP), against the "
             "replay's means without the request overhead. `live`: the forecast a duetime gateway "
             "routed on (`x-duetime-forecast-ttft-ms`; only when URL is a gateway). n/a: not "
