@@ -12,12 +12,16 @@ forecast TTFT from the routing decision (``duetime_forecast_ttft_ratio``, p50 / 
 histograms are read from the gateway's ``/metrics`` before and after the burst; their
 quantiles are bucket bounds.
 
-    python benchmarks/burst.py [--burst 500] [--warmup 60] [--rounds 1]
+    python benchmarks/burst.py [--burst 500] [--warmup 60] [--rounds 1] [--speed 1]
 
 A last row, ``capacity``, says what each instance can serve of such a burst: the share of the
 pool's rate if each served the whole burst alone (its engine and batch-time model, the burst's
 requests at once: a 12-token prompt, 4 output tokens), the split a burst spread "in
-proportion to what each can serve" would have.
+proportion to what each can serve" would have, and in the last column those rates (requests/s).
+The column before it, the burst over its wall time, bounds the rate at which the gateway passed
+the burst on: where every instance's rate is above it, the engines were not the bottleneck (each
+could have taken the whole burst as it came) and the fastest forecasts win, not the capacity
+split; ``--speed`` slows the emulated instances until they are.
 
 The client (aiohttp: with httpx the client itself spent 6.7 s of CPU on a burst of 500 and
 was the bottleneck; a client in the gateway's own process does not make a burst at all) and
@@ -108,9 +112,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def run(gateway_load: bool, burst: int, warmup: int) -> dict:
+async def run(gateway_load: bool, burst: int, warmup: int, speed: float) -> dict:
     pool = {"policy": "sfs", "admission": {"gateway_load": gateway_load},
-            "instances": [{"name": m, "model": m, "emulate": {"speed": 1.0, "seed": k}}
+            "instances": [{"name": m, "model": m, "emulate": {"speed": speed, "seed": k}}
                           for k, m in enumerate(DEMO_MODELS)]}
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,18 +155,17 @@ async def run(gateway_load: bool, burst: int, warmup: int) -> dict:
             "ratio": [bucket_pct(before[hists[1]], after[hists[1]], q) for q in (0.5, 0.9)]}
 
 
-def capacity(names: tuple[str, ...], burst: int) -> dict[str, float]:
-    """Each instance's share of the pool's rate on the burst, served alone (see the doc)."""
+def capacity(names: tuple[str, ...], burst: int, speed: float) -> dict[str, float]:
+    """Each instance's rate on the burst, served alone (requests/s; see the doc)."""
     rate = {}
     for name in names:
-        p = load_profile(name)
+        p = load_profile(name).scaled(speed)
         e = Engine(p.config, p.batch_time, time=0.0, retain_finished=False)
         for i in range(burst):
             e.add(f"r{i}", 12, 4, arrival=0.0)
         e.drain()
         rate[name] = burst / e.time
-    total = sum(rate.values())
-    return {n: r / total for n, r in rate.items()}
+    return rate
 
 
 def main() -> None:
@@ -170,27 +173,31 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=1, help="each setting this many times")
+    ap.add_argument("--speed", type=float, default=1.0,
+                    help="the emulated instances run X times faster (default 1: H100 timing; "
+                    "below ~0.03 the engines, not the gateway, are the burst's bottleneck)")
     args = ap.parse_args()
     names = tuple(DEMO_MODELS)
-    print("| gateway_load | round | " + " | ".join(names) + " | failed | wall (s) | client TTFT p50 / p90 "
-          "(ms) | gateway TTFT p50 / p90 (ms, ≤) | observed / forecast p50 / p90 (≤) | CPU s: "
-          "client / gateway |")
-    print("|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|")
+    print("| gateway_load | round | " + " | ".join(names) + " | failed | wall (s) | client TTFT "
+          "p50 / p90 (ms) | gateway TTFT p50 / p90 (ms, ≤) | observed / forecast p50 / p90 (≤) | "
+          "CPU s: client / gateway | burst / wall (req/s) |")
+    print("|---|---|" + "---|" * len(names) + "---|---|---|---|---|---|---|")
     for k in range(args.rounds):
         for gl in (True, False):
-            r = asyncio.run(run(gl, args.burst, args.warmup))
+            r = asyncio.run(run(gl, args.burst, args.warmup, args.speed))
             print(f"| {'on' if gl else 'off'} | {k + 1} | "
                   + " | ".join(str(r["served"].get(n, 0)) for n in names)
                   + f" | {len(r['errors'])} | {r['wall']:.1f} | {statistics.median(r['ttft']) * 1000:.0f} / "
                   f"{pct(r['ttft'], 0.9) * 1000:.0f} | {r['gw_ttft'][0] * 1000:g} / "
                   f"{r['gw_ttft'][1] * 1000:g} | {r['ratio'][0]:g} / {r['ratio'][1]:g} | "
-                  f"{r['cpu'][0]:.1f} / {r['cpu'][1]:.1f} |",
+                  f"{r['cpu'][0]:.1f} / {r['cpu'][1]:.1f} | {args.burst / r['wall']:.0f} |",
                   flush=True)
             for e in r["errors"][:3]:
                 print(f"    {e}", file=sys.stderr)
-    share = capacity(names, args.burst)
-    print("| capacity | | " + " | ".join(f"{share[n] * args.burst:.0f}" for n in names)
-          + " | | | | | | |")
+    rate = capacity(names, args.burst, args.speed)
+    total = sum(rate.values())
+    print("| capacity | | " + " | ".join(f"{rate[n] / total * args.burst:.0f}" for n in names)
+          + " | | | | | | | " + " / ".join(f"{rate[n]:.0f}" for n in names) + " |")
 
 
 if __name__ == "__main__":

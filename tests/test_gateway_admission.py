@@ -9,7 +9,7 @@ import pytest
 
 from duetime.gateway.intake.admission import AdmissionQueue
 from duetime.gateway.prometheus import GatewayMetrics
-from duetime.gateway.state.load import GatewayLoad
+from duetime.gateway.state.load import RELAY_SHARE, GatewayLoad
 from test_gateway import chat, config, gateway, metric, run
 
 
@@ -76,57 +76,91 @@ def test_the_queue_is_released_by_first_tokens_and_ends_whatever_counts_the_load
     assert asyncio.run(go()) == [True, True, True]
 
 
-def test_a_saturated_gateway_adds_its_backlog() -> None:
-    """Startup's CPU is not requests' work; a window where the CPU was busy all along
-    (0.9 s of CPU per second) forecasts the whole backlog: CPU per request x requests
-    awaiting a first token."""
-    t, cpu = [0.0], [5.0]  # (5 s of startup CPU before the first request)
-    load = GatewayLoad(1.0, cpu=lambda: cpu[0], clock=lambda: t[0])
-    for _ in range(4):
-        load.sent()
-    assert load.delay_s() == 0.0  # (nothing measured yet)
-    for _ in range(4):  # 4 requests done in 2 s of wall time, 1.8 s of CPU
-        t[0] += 0.5
-        cpu[0] += 0.45
-        load.answered()
-        load.ended()
-    assert load.cpu_per_request_s == pytest.approx(0.45)
-    assert load.utilization == pytest.approx(0.9)
-    for _ in range(3):
-        load.sent()
-    assert load.delay_s() == pytest.approx(3 * 0.45)  # (the backlog: under 0.9 x 0.45 / 0.1)
-    load.answered()
-    assert load.awaiting == 2
+def _attempt(fid: str, arrival: float, dispatched: float, number: int = 1):
+    """An attempt as the lifecycle hands it to subscribers (only what GatewayLoad reads)."""
+    from types import SimpleNamespace
+
+    from duetime.gateway.state.flight import Flight
+
+    return SimpleNamespace(flight=Flight(fid, 10, 4, dispatched, None), arrival=arrival,
+                           number=number, output_tokens=4)
 
 
-def test_a_lightly_loaded_gateway_adds_little() -> None:
-    """At 10% CPU the wait is the Pollaczek-Khinchine one, rho c / (1 - rho), however many
-    requests await their first token upstream (they wait for the engine, not for this CPU),
-    and a later window replaces an earlier busy one; a burst counts before its window closes
-    (the load it offers: requests sent so far x CPU per request, over the window)."""
-    t, cpu = [0.0], [0.0]
+def test_an_idle_or_lightly_loaded_gateway_adds_little() -> None:
+    """Nothing pending and nothing awaiting: nothing. Requests one after another teach the lone
+    intake time (arrival to dispatch); a few streams awaiting their first tokens add their
+    relays (a share of an intake each, until a busy window measured one), not their engines'
+    time."""
+    t, cpu, held = [0.0], [5.0], [0]  # (5 s of startup CPU before the first request)
     load = GatewayLoad(1.0, cpu=lambda: cpu[0], clock=lambda: t[0])
-    load.sent()
-    t[0], cpu[0] = 1.0, 0.9  # a busy first window (compiling): 0.9 s of CPU for one request
-    load.ended()
-    assert load.utilization == pytest.approx(0.9)
-    for _ in range(10):
-        load.sent()
-    for k in range(10):  # then 10 requests in 1 s at 10 ms of CPU each
-        t[0] = 1.0 + 0.1 * (k + 1)
+    load.count_intake(lambda: held[0])
+    assert load.delay_s() == 0.0
+    for k in range(4):
+        held[0] = 1  # (the request being decided: not pending)
+        assert load.pending() == 0
+        a = _attempt(f"r{k}", arrival=t[0], dispatched=t[0] + 0.002)
+        load.on_dispatch(a)
+        load.on_first_token(a)
+        load.on_end(a)
+        held[0] = 0
+        t[0] += 0.1
         cpu[0] += 0.01
-        load.ended()
-    assert load.cpu_per_request_s == pytest.approx(0.01)
-    assert load.utilization == pytest.approx(0.1)
-    assert load.delay_s() == pytest.approx(0.1 * 0.01 / 0.9)
-    t[0] = 3.0  # an idle second: its window closes on time, the CPU per request is kept
-    assert load.delay_s() == 0.0 and load.utilization == 0.0
-    assert load.cpu_per_request_s == pytest.approx(0.01)
-    t[0] = 3.01  # then a burst, routed before any window closes: the load it offers counts
-    for _ in range(100):
-        load.sent()
-    assert load.awaiting == 111  # (offered 100 x 10 ms in 1 s: the backlog counts whole)
-    assert load.delay_s() == pytest.approx(111 * 0.01)
+    assert load.intake_s == pytest.approx(0.002)
+    assert load.delay_s() == 0.0
+    held[0] = 3  # three streams awaiting their first tokens, one request being decided
+    for k in range(3):
+        load.on_dispatch(_attempt(f"s{k}", arrival=t[0], dispatched=t[0] + 0.002))
+    held[0] = 4
+    assert load.pending() == 0 and load.awaiting == 3
+    assert load.delay_s() == pytest.approx(3 * RELAY_SHARE * 0.002)
+
+
+def test_a_burst_counts_its_whole_queue_at_the_loaded_intake_cost() -> None:
+    """500 connections open at once: the first decision already sees them pending (a request
+    on each, not read yet); the gaps between dispatches while intakes wait teach the loaded
+    intake cost, which replaces the lone one once ``min_gaps`` are in, and is kept for the
+    next burst."""
+    t, cpu, held = [0.0], [0.0], [0]
+    load = GatewayLoad(0.25, cpu=lambda: cpu[0], clock=lambda: t[0], min_gaps=16)
+    load.count_intake(lambda: held[0])
+    held[0] = 1
+    a = _attempt("lone", arrival=0.0, dispatched=0.0005)
+    load.on_dispatch(a)
+    load.on_first_token(a)
+    load.on_end(a)
+    assert load.intake_s == pytest.approx(0.0005)
+    t[0] = 1.0
+    held[0] = 500  # the burst's connections
+    assert load.pending() == 499
+    assert load.delay_s() == pytest.approx(499 * 0.0005 + 499 * RELAY_SHARE * 0.0005)
+    for k in range(100):  # dispatched 2 ms apart while the rest wait
+        t[0] = 1.0 + 0.002 * k
+        load.on_dispatch(_attempt(f"b{k}", arrival=1.0, dispatched=t[0]))
+    assert load.intake_s == pytest.approx(0.002)
+    assert load.pending() == 399 and load.awaiting == 100
+    assert load.delay_s() == pytest.approx(399 * 0.002 + 499 * RELAY_SHARE * 0.002)
+
+
+def test_the_relay_cost_is_learnt_from_busy_windows_only() -> None:
+    """A window whose CPU time is mostly the process's background (probes, polls) teaches
+    nothing about relays; a busy one does: its CPU less its intakes' share, over the first
+    tokens it relayed."""
+    t, cpu, held = [0.0], [0.0], [0]
+    load = GatewayLoad(0.25, cpu=lambda: cpu[0], clock=lambda: t[0], min_relays=8)
+    load.count_intake(lambda: held[0])
+    held[0] = 1
+    first = _attempt("lone", arrival=0.0, dispatched=0.001)
+    load.on_dispatch(first)  # (opens the window; lone intake 1 ms)
+    for k in range(20):  # a quiet window: 20 relays, 60 ms of CPU in 0.3 s
+        t[0] += 0.015
+        cpu[0] += 0.003
+        load.on_first_token(_attempt(f"q{k}", 0.0, 0.0))
+    assert load.relay_s == pytest.approx(RELAY_SHARE * 0.001)  # (not learnt)
+    for k in range(100):  # a busy window: 100 relays in 0.3 s of CPU, no intakes
+        t[0] += 0.003
+        cpu[0] += 0.003
+        load.on_first_token(_attempt(f"b{k}", 0.0, 0.0))
+    assert load.relay_s == pytest.approx(0.003, rel=0.05)
 
 
 def test_priorities_when_no_instance_can_meet_the_target() -> None:
@@ -179,38 +213,64 @@ def test_llm_d_slo_headers_are_targets() -> None:
     assert metric(metrics, 'duetime_tpot_target_total{outcome="on_time"}') == 1
 
 
-def test_a_burst_spreads_over_the_pool_once_the_gateway_counts_its_own_load() -> None:
-    """30 short requests at once over the demo pool, with the gateway's CPU per request set
-    (0.1 s, the CPU saturated; its window long enough that no measure replaces it during the test: the premise
-    does not depend on this machine's speed): once two or three are awaiting their first
-    token the backlog alone exceeds the target at the best instance, so the burst does not
-    all go to it (without the backlog in the forecasts a burst of 500 all went to the one
-    instance whose forecast met the target), and every request is answered."""
-    from dataclasses import replace
+def test_the_gateway_sees_a_burst_by_its_connections_before_reading_it() -> None:
+    """The serving gateway's load counts, from its HTTP server, the requests it holds and has
+    not sent upstream: one on each connection opened that has not sent its request yet (a
+    burst's connections come before the loop reads their requests), and its forecasts have
+    the loop's work ahead of a request as a floor (the same for every instance); a dashboard's
+    event stream, open as long as its page, is not one of them; the connections that leave
+    stop counting."""
+    import socket
 
     import httpx
 
-    from duetime.gateway.config import AdmissionSpec
     from duetime.service import Service
     from duetime.service.pool import demo_pool
 
-    pool = replace(demo_pool(), admission=AdmissionSpec(cpu_window_s=600.0))
-
     async def go():
-        svc = await Service(pool, drain_timeout_s=3.0).start()
+        svc = await Service(demo_pool(), drain_timeout_s=3.0).start()
         try:
-            svc.gateway.load.cpu_per_request_s = 0.1
-            svc.gateway.load.utilization = 1.0  # (saturated: the backlog counts whole)
-            async with httpx.AsyncClient(base_url=svc.url, timeout=120) as c:
-                rs = await asyncio.gather(*(c.post("/v1/chat/completions",
-                                                   json=chat(max_tokens=4))
-                                            for _ in range(30)))
-            return rs, svc.gateway.load.cpu_per_request_s
+            host, port = svc.url.removeprefix("http://").split(":")
+            dash = httpx.AsyncClient(base_url=svc.url, timeout=60)
+            events = await dash.send(dash.build_request("GET", "/duetime/dashboard/events"),
+                                     stream=True)
+            assert events.status_code == 200
+            socks = [socket.create_connection((host, int(port))) for _ in range(6)]
+            load = svc.gateway.load
+            for _ in range(200):  # (the loop accepts them)
+                if load.pending() == 5:
+                    break
+                await asyncio.sleep(0.01)
+            seen = load.pending()
+            async with httpx.AsyncClient(base_url=svc.url, timeout=60) as c:
+                r = await c.post("/duetime/route", json=chat())
+            for sk in socks:
+                sk.close()
+            await events.aclose()
+            await dash.aclose()
+            for _ in range(200):
+                if load.pending() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return seen, r, load.pending()
         finally:
             await svc.stop()
 
-    rs, kept = run(go(), timeout=120)
-    assert kept == 0.1
-    assert all(r.status_code == 200 for r in rs)
-    served = {r.headers["x-duetime-instance"] for r in rs}
-    assert len(served) >= 2, served
+    seen, r, after = run(go(), timeout=60)
+    assert seen == 5  # (six connections, one request being decided aside)
+    assert r.status_code == 200, r.text
+    assert after == 0
+
+
+def test_a_forecast_is_never_below_the_gateway_s_own_delay() -> None:
+    """``with_gateway``: the later of the instance's forecast and the gateway's delay, the
+    faster engine first where the gateway's delay is the later for every instance."""
+    from types import SimpleNamespace
+
+    from duetime.estimate.base import GATEWAY_TIE, with_gateway
+
+    assert with_gateway(SimpleNamespace(), 0.2) == 0.2
+    assert with_gateway(SimpleNamespace(gateway_delay_s=0.1), 0.2) == 0.2
+    fast = with_gateway(SimpleNamespace(gateway_delay_s=1.0), 0.01)
+    slow = with_gateway(SimpleNamespace(gateway_delay_s=1.0), 0.3)
+    assert fast == pytest.approx(1.0 + GATEWAY_TIE * 0.01) and fast < slow < 1.001

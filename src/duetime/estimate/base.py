@@ -107,3 +107,20 @@ class Estimator(Protocol):
         """``hashes``: the request's prompt block keys for a block size (with prefix caching,
         an estimator that replays the cache uses them; the others ignore them)."""
         ...
+
+
+def with_gateway(view: object, ttft_s: float) -> float:
+    """A TTFT forecast no shorter than the view's gateway delay (``gateway_delay_s``, where the
+    view has one: the time the router's own loop needs for the work ahead of a request sent
+    now, :mod:`duetime.gateway.state.load`). The client sees the first token once the engine
+    has made it and the router's loop has got to it, whichever is later: the two run side by
+    side, so adding them would count a loaded engine's queue twice. Where the loop is the later
+    one every instance's forecast would be the same; a thousandth of the engine's forecast on
+    top keeps the faster engine first (without it a burst's ties went to the slower, better
+    models, and the burst took twice as long: ``benchmarks/burst.py --speed 0.02``)."""
+    g = getattr(view, "gateway_delay_s", None)
+    return ttft_s if g is None or g <= ttft_s else g + GATEWAY_TIE * ttft_s
+
+
+GATEWAY_TIE = 1e-3  # (see with_gateway)
+

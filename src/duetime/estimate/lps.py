@@ -15,7 +15,7 @@ concurrency it can hold, min(max_num_seqs, KV tokens / mean (prompt + output)).
 
 from __future__ import annotations
 
-from duetime.estimate.base import InstanceView, PromptHashes
+from duetime.estimate.base import InstanceView, PromptHashes, with_gateway
 
 SATURATED_S = 60.0  # the forecast of an instance whose arrivals exceed its capacity
 
@@ -44,7 +44,7 @@ class LpsEstimator:
         service = prefill + view.request_overhead_s
         alpha = s.arrival_rate
         if alpha <= 0:
-            return service
+            return with_gateway(view, service)
         if alpha >= mu:
             return SATURATED_S
-        return (alpha / mu) ** k / (mu - alpha) + service
+        return with_gateway(view, (alpha / mu) ** k / (mu - alpha) + service)

@@ -9,7 +9,7 @@ import numpy as np
 from duetime.engine.forecasting import ForecastError, forecast
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.wait_estimate import LoadBoard
-from duetime.estimate.base import InstanceView, PromptHashes
+from duetime.estimate.base import InstanceView, PromptHashes, with_gateway
 from duetime.estimate.correction import correction_factor
 
 
@@ -59,15 +59,16 @@ class SfsEstimator:
         there: too long, KV too small). With prefix caching the replay prices the prompt's
         cached blocks (``hashes``) and what the requests ahead cache and evict. A view with an
         online correction (``ttft_correction``, :mod:`duetime.estimate.correction`) scales the
-        result by its factor."""
+        instance's part by its factor; a gateway's own delay is a floor under it
+        (:func:`~duetime.estimate.base.with_gateway`)."""
         snap = view.snapshot()
         try:
             est = forecast(snap, prompt_tokens,
                            prompt_hashes=_keys(snap, hashes)).estimate_s
         except ForecastError:
             return float("inf")
-        return (est + (snap.time - now) + view.request_overhead_s
-                + frontend_delay(view, snap, now)) * correction_factor(view)
+        return with_gateway(view, (est + (snap.time - now) + view.request_overhead_s
+                                   + frontend_delay(view, snap, now)) * correction_factor(view))
 
     def ttft_lower_bound(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
         """A bound :meth:`ttft` cannot go below, without a forecast: from the view's

@@ -9,7 +9,7 @@ import numpy as np
 
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
-from duetime.estimate.base import InstanceView, PromptHashes
+from duetime.estimate.base import InstanceView, PromptHashes, with_gateway
 
 
 @lru_cache(maxsize=64)
@@ -40,5 +40,5 @@ class ThroughputEstimator:
         for tab in (snap.running_table, snap.waiting_table):
             todo = tab.prompt + tab.output - tab.computed
             queued += int(np.where(todo > 1, todo, 0).sum())  # decoders have 1 left: not prefill
-        return ((queued + prompt_tokens) / prefill_rate + decode_step_s
-                + max(0.0, snap.time - now) + view.request_overhead_s)
+        return with_gateway(view, (queued + prompt_tokens) / prefill_rate + decode_step_s
+                            + max(0.0, snap.time - now) + view.request_overhead_s)

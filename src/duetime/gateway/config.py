@@ -199,10 +199,10 @@ class AdmissionSpec(_Strict):
     priority (:mod:`duetime.gateway.intake.admission`)."""
 
     max_queued: int = Field(256, ge=0, le=100_000)  # critical requests waiting in the gateway
-    # the gateway's own CPU in every forecast: the wait at its measured utilization, capped by
-    # its backlog (requests sent, no first token yet) x its measured CPU seconds per request
+    # the gateway's own loop under every forecast: the intakes it holds and the first tokens
+    # it has to relay ahead of a request, at their measured costs (gateway/state/load.py)
     gateway_load: bool = True
-    cpu_window_s: float = Field(0.25, gt=0, le=600)  # its measuring window
+    cpu_window_s: float = Field(0.25, gt=0, le=600)  # the window its relay cost is measured on
 
 
 class DiscoverySpec(_Strict):

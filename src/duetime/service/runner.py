@@ -60,9 +60,13 @@ class Service:
             self.gateway = Gateway(self.pool, host=self.host)
             # the SFS demo's page and routes (/duetime/* needs an admin key where there are)
             routes = self.gateway.auth.protect(demo_routes(self.pool))
-            self.server = AppServer(self.gateway.app(routes=routes), host=self.host, sock=sock,
-                                    graceful_timeout_s=self.drain_timeout_s,
-                                    limits=self.pool.limits, on_stop=self.gateway.drain)
+            app = self.gateway.app(routes=routes)
+            self.server = server = AppServer(app, host=self.host, sock=sock,
+                                             graceful_timeout_s=self.drain_timeout_s,
+                                             limits=self.pool.limits, on_stop=self.gateway.drain)
+            # (what the gateway's loop holds of completions: not the admin routes' streams)
+            self.gateway.load.count_intake(
+                lambda: server.requests_in_progress() - app.others_in_progress)
             await self.server.start()
         except BaseException:
             sock.close()

@@ -191,6 +191,9 @@ class FastRoutes:
         self.app = app
         self.fast = fast
         self.state = app.state
+        # requests on the other routes under way (a dashboard's event stream lasts as long as
+        # the page is open: the gateway's own load counts only what is not one of these)
+        self.others_in_progress = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -198,4 +201,11 @@ class FastRoutes:
             if handler is not None:
                 await handler(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.others_in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.others_in_progress -= 1

@@ -43,13 +43,27 @@ async def over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class NewConnections:
+    """How many of a server's open connections have not sent a request yet. In a burst each
+    new connection brings one: the requests coming before the server has read them (the
+    gateway's own queue, :mod:`duetime.gateway.state.load`)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class LimitedProtocol(HttpToolsProtocol):
     """:class:`HttpToolsProtocol` with :attr:`limits` (see :func:`protocol_class`)."""
 
     limits: LimitsSpec = LimitsSpec()
+    new_connections: NewConnections = NewConnections()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._fresh = True  # (no request read on it yet)
+        self.new_connections.count += 1
         self._head_bytes = 0
         self._in_head = True
         self._head_timer: asyncio.TimerHandle | None = None
@@ -60,6 +74,7 @@ class LimitedProtocol(HttpToolsProtocol):
             self.app = over_capacity  # (uvicorn's on_headers_complete runs self.app)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._not_fresh()
         self._cancel_timers()
         super().connection_lost(exc)
 
@@ -96,7 +111,13 @@ class LimitedProtocol(HttpToolsProtocol):
         if not self._closed():  # (nothing more of a rejected request)
             super().on_body(body)
 
+    def _not_fresh(self) -> None:
+        if self._fresh:
+            self._fresh = False
+            self.new_connections.count -= 1
+
     def on_headers_complete(self) -> None:
+        self._not_fresh()
         self._in_head = False
         if self._head_timer is not None:
             self._head_timer.cancel()
@@ -171,6 +192,9 @@ class LimitedProtocol(HttpToolsProtocol):
                               f"{self.limits.body_timeout_s:g} s", code="request_timeout"))
 
 
-def protocol_class(limits: LimitsSpec) -> type[LimitedProtocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits``."""
-    return type("LimitedProtocol", (LimitedProtocol,), {"limits": limits})
+def protocol_class(limits: LimitsSpec, new_connections: NewConnections | None = None
+                   ) -> type[LimitedProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` enforcing ``limits`` (and counting its
+    connections that have not sent a request yet in ``new_connections``)."""
+    return type("LimitedProtocol", (LimitedProtocol,), {
+        "limits": limits, "new_connections": new_connections or NewConnections()})

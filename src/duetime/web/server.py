@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import uvicorn
 
 from duetime.web.limits import DEFAULT_LIMITS, LimitsSpec
-from duetime.web.protocol import protocol_class
+from duetime.web.protocol import NewConnections, protocol_class
 
 T = TypeVar("T")
 
@@ -90,8 +90,9 @@ class AppServer:
         self.graceful_timeout_s = graceful_timeout_s
         self.limits = limits
         uvicorn_kw.setdefault("timeout_keep_alive", limits.keep_alive_s)
+        self._new = NewConnections()
         self.config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on",
-                                     http=protocol_class(limits), **uvicorn_kw)
+                                     http=protocol_class(limits, self._new), **uvicorn_kw)
         self.server = _Server(self.config)
         self._task: asyncio.Task[None] | None = None
 
@@ -101,6 +102,12 @@ class AppServer:
         if host in ("0.0.0.0", "[::]"):
             host = "127.0.0.1"
         return f"http://{host}:{self.port}"
+
+    def requests_in_progress(self) -> int:
+        """Requests this server has not finished answering: those it has read the headers of
+        (whether or not their handlers have started: a burst read in one go counts at once),
+        and one on each open connection that has not sent one yet."""
+        return len(self.server.server_state.tasks) + self._new.count
 
     async def start(self) -> AppServer:
         self._task = asyncio.get_running_loop().create_task(

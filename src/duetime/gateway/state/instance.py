@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.frontend import FrontendModel
 from duetime.engine.snapshot import Snapshot
-from duetime.estimate.base import InstanceStats
+from duetime.estimate.base import GATEWAY_TIE, InstanceStats
 from duetime.estimate.correction import StepCorrection, TtftCorrection
 from duetime.estimate.prefix_index import EngineCacheIndex
 from duetime.gateway.config import Instance, Pool
@@ -267,9 +267,15 @@ class InstanceState:
 
     @property
     def request_overhead_s(self) -> float:
-        """The instance's own (calibrated) overhead, plus what the gateway's backlog adds."""
-        own = self.instance.request_overhead_s
-        return own if self.load is None else own + self.load.delay_s()
+        """The instance's own (calibrated) overhead."""
+        return self.instance.request_overhead_s
+
+    @property
+    def gateway_delay_s(self) -> float:
+        """What the gateway's own loop needs for the work ahead of a request sent now (the
+        forecasts take the later of it and the engine's: :func:`duetime.estimate.base.
+        with_gateway`); 0 where the gateway's load is not counted."""
+        return 0.0 if self.load is None else self.load.delay_s()
 
     @property
     def frontend(self) -> FrontendModel | None:
@@ -322,7 +328,10 @@ class InstanceState:
         events received so far (the lifecycle then dispatches it)."""
         self._apply_events(now)
         f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
-        if forecast is not None and math.isfinite(forecast):
+        # the instance's correction learns from forecasts its own part set, not the gateway's
+        # delay (a floor under every instance's forecast alike: with_gateway)
+        if forecast is not None and math.isfinite(forecast) and \
+                forecast > self.gateway_delay_s * (1.0 + GATEWAY_TIE):
             f.raw_forecast = forecast / self.ttft_correction.factor
         f.cached_tokens = self.cached_tokens(hashes, prompt_tokens)
         return f
