@@ -6,7 +6,8 @@ server's API process on the other cores, ``conftest.off_core``), so that the num
 the model, not this machine's contention:
 
 * **the harness**: ``duetime validate`` driving the server directly at two loads, every request
-  replayed through the engine: the pooled median and p90 of |predicted / observed - 1|;
+  replayed through the engine: the pooled median and p90 of |predicted / observed - 1| of the
+  TTFT, and the median of each request's inter-token latency (the batch-time model alone);
 * **live**: five closed-loop clients through a ``duetime serve`` (a process of its own, the
   online correction on): each answer's forecast header against the TTFT its client saw.
 
@@ -14,10 +15,16 @@ The tolerances come from the harness's own numbers on the machine this suite was
 (docs/gateway.md, "Validating"). Over seven runs of ``benchmarks/validate_vllm.py``,
 ``calibration_spread.py`` and this test, the pooled median |error| and p90 were 9.3-18.5% and
 23-44% for the static model, 7.2-13.0% and 19-34% with the online correction (the issue's
-targets, 10% and 30%, are for that), and the live forecasts' median 8.5-12.4% (target 15%).
+targets, 10% and 30%, are for that), the live forecasts' median 8.5-12.4% (target 15%), and
+the ITL median 3.5-9.7%.
 Each tolerance is the worst of those with a third more room, widened where this machine is
 noisier than that one by a multiple of the spread of identical lone requests, measured first
 (``machine_noise``; 1.3-3.6% there). A profile twice off (a ~50% error) fails.
+
+tiny-small is not asserted here (docs/gateway.md, "Validating"): on this suite's 2-core machine
+its client-side timings are the processes sharing a core, not the model — in one run at 60%
+load its clients saw a median TTFT of 513 ms where vLLM's own histograms saw 6.5 ms, with whole
+streams arriving at once; four runs in a row gave TTFT median errors of 26-85%.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ pytestmark = pytest.mark.e2e
 STATIC_MEDIAN, STATIC_P90 = 0.25, 0.60  # pooled |error| of duetime validate's replay
 CORRECTED_MEDIAN, CORRECTED_P90 = 0.17, 0.45  # the same with the online correction
 LIVE_MEDIAN = 0.17  # live gateway forecasts at five concurrent clients
+ITL_MEDIAN = 0.15  # the replay's inter-token latency: the batch-time model alone
 NOISE_FACTOR_MEDIAN, NOISE_FACTOR_P90 = 4.0, 10.0  # how much the machine's noise widens them
 
 
@@ -104,18 +112,21 @@ def test_forecast_fidelity_is_within_tolerance(large, vllm_pool, tmp_path):
     tols = {"": tol(STATIC_MEDIAN, STATIC_P90),
             "corrected_": tol(CORRECTED_MEDIAN, CORRECTED_P90)}
     tol_live = tol(LIVE_MEDIAN, 1.0)[0]
+    itl, tol_itl = harness["itl_median_abs_pct_error"], tol(ITL_MEDIAN, 1.0)[0]
     print(f"\nforecast fidelity on tiny-large (machine noise {noise:.1%}):\n"
           + "".join(f"  harness{' ' + k[:-1] if k else ''}: |error| median {got[k][0]:.1%} "
                     f"(tolerance {tols[k][0]:.1%}), p90 {got[k][1]:.1%} (tolerance "
                     f"{tols[k][1]:.1%})\n" for k in got)
           + "  per load: " + ", ".join(f"{k}: {v['ttft_median_abs_pct_error']:.1%}"
                                        for k, v in harness["per_load"].items())
+          + f"\n  inter-token latency: |error| median {itl:.1%} (tolerance {tol_itl:.1%})"
           + f"\n  live, 5 clients through the gateway: |error| median {live['median']:.1%} "
           f"(tolerance {tol_live:.1%}), p90 {live['p90']:.1%}, bias {live['bias']:+.1%}, "
           f"{live['n']} requests")
     assert harness["failed"] == 0, harness["errors"]
     for k in got:
         assert got[k][0] <= tols[k][0] and got[k][1] <= tols[k][1], (k, got, tols)
+    assert itl <= tol_itl, (itl, tol_itl)
     assert live["median"] <= tol_live, live
 
 
