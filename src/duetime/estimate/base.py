@@ -116,8 +116,8 @@ def with_gateway(view: object, ttft_s: float) -> float:
     has made it and the router's loop has got to it, whichever is later: the two run side by
     side, so adding them would count a loaded engine's queue twice. Where the loop is the later
     one every instance's forecast would be the same; a thousandth of the engine's forecast on
-    top keeps the faster engine first (without it a burst's ties went to the slower, better
-    models, and the burst took twice as long: ``benchmarks/burst.py --speed 0.02``)."""
+    top keeps the faster engine first (a tie would otherwise go to whichever the policy lists
+    first, whatever its engine's queue)."""
     g = getattr(view, "gateway_delay_s", None)
     return ttft_s if g is None or g <= ttft_s else g + GATEWAY_TIE * ttft_s
 
