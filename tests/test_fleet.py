@@ -26,13 +26,13 @@ def _requests(n: int = 400, rate: float = 8.6):
     return Runner(PROF, seed=0).requests(Point("sfs", rate, n))
 
 
-def _run(router: str, reqs, spec: FleetSpec | None = None
+def _run(router: str, reqs, spec: FleetSpec | None = None, step_scale: float = 1.0
          ) -> tuple[SimResult, RouterFleet | None]:
     def make(k: int = 0):
         return make_policy(router, {}, defaults={"lambda": PROF.lam, "seed": k})
 
     policy = make() if spec is None else spec.fleet(make)
-    res = ClusterSim(PROF, policy).run(reqs)
+    res = ClusterSim(PROF, policy, step_scale=step_scale).run(reqs)
     return res, policy if isinstance(policy, RouterFleet) else None
 
 
@@ -186,6 +186,40 @@ def test_fleets_need_routers_and_no_prefix_caching() -> None:
         RouterView("x", caching)
 
 
+def _mape(res: SimResult) -> float:
+    ok = np.isfinite(res.forecast)
+    return float(np.mean(np.abs(res.forecast[ok] - res.ttft[ok]) / res.ttft[ok]))
+
+
+def test_views_learn_an_instance_slower_than_its_calibration() -> None:
+    """Instances whose steps take 1.3x their calibration: one router's views priced with the
+    calibration forecast too short; with the step correction each busy view learns the
+    pace from its own requests' token counts and the forecasts' error falls."""
+    reqs = _requests(1500, 6.0)
+    plain, fleet = _run("sfs", reqs, FleetSpec(1), step_scale=1.3)
+    learnt, fleet_c = _run("sfs", reqs, FleetSpec(1, step_correction=True), step_scale=1.3)
+    assert fleet is not None and fleet_c is not None
+    assert fleet.step_factors() == [1.0, 1.0, 1.0]
+    busy = [k for k in range(3) if (learnt.instance == k).sum() > 300]
+    assert busy
+    for k in busy:
+        assert fleet_c.step_factors()[k] == pytest.approx(1.3, rel=0.03)
+    # uncorrected, the forecasts run short (observed / forecast above 1) ...
+    ok = np.isfinite(plain.forecast)
+    assert np.median(plain.ttft[ok] / plain.forecast[ok]) > 1.15
+    # ... and the correction roughly halves their error
+    assert _mape(learnt) < 0.7 * _mape(plain), (_mape(learnt), _mape(plain))
+
+
+def test_a_step_scale_needs_routers_with_views_of_their_own() -> None:
+    with pytest.raises(ValueError, match="RouterFleet"):
+        ClusterSim(PROF, make_policy("sfs", {}, defaults={"lambda": PROF.lam}),
+                   step_scale=1.2)
+    with pytest.raises(ValueError, match="positive"):
+        ClusterSim(PROF, FleetSpec(1).fleet(lambda k: make_policy("sfs", {}, defaults={
+            "lambda": PROF.lam})), step_scale=0.0)
+
+
 def test_simulate_with_routers(tmp_path, capsys) -> None:
     out = tmp_path / "sim"
     assert main(["simulate", "--policy", "load-aware", "--rate", "8.6", "--requests", "200",
@@ -196,6 +230,18 @@ def test_simulate_with_routers(tmp_path, capsys) -> None:
     assert "| load-aware | 3 | independent |" in capsys.readouterr().out
 
 
+def test_simulate_a_miscalibrated_pool_with_step_correction(tmp_path, capsys) -> None:
+    out = tmp_path / "sim"
+    assert main(["simulate", "--policy", "sfs", "--rate", "6", "--requests", "300",
+                 "--routers", "1", "--step-scale", "1.3", "--step-correction",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step_scale"] == 1.3 and summary["step_correction"] is True
+    assert 1.0 < summary["step_factor"] < 1.4
+    printed = capsys.readouterr().out
+    assert "| step_scale | step_factor | forecast_mape |" in printed
+
+
 @pytest.mark.parametrize(("args", "fragment"), [
     (["--routers", "0"], "--routers"),
     (["--staleness", "0.1"], "needs --routers"),
@@ -204,8 +250,12 @@ def test_simulate_with_routers(tmp_path, capsys) -> None:
     (["--routers", "2", "--clients", "4"], "--clients"),
     (["--routers", "2", "--prefix-caching"], "prefix caching"),
     (["--routers", "2", "--router-view", "gossip"], "--router-view"),
+    (["--step-scale", "1.2"], "needs --routers"),
+    (["--step-correction"], "needs --routers"),
+    (["--routers", "1", "--step-scale", "0"], "--step-scale"),
 ], ids=["zero-routers", "staleness-alone", "staleness-independent", "negative-staleness",
-        "closed-loop", "prefix-caching", "bad-view"])
+        "closed-loop", "prefix-caching", "bad-view", "step-scale-alone", "step-correction-alone",
+        "zero-step-scale"])
 def test_simulate_routers_bad_input(tmp_path, capsys, args, fragment) -> None:
     code = main(["simulate", "--policy", "sfs", "--rate", "8", "--requests", "10",
                  "--out", str(tmp_path / "x"), *args])

@@ -104,7 +104,7 @@ def test_the_gateway_tracks_an_instance_that_slows_down() -> None:
 def test_the_step_correction_is_the_median_of_token_ratios() -> None:
     from duetime.estimate.correction import StepCorrection
 
-    c = StepCorrection(window=4, min_samples=2, tokens_per_sample=10)
+    c = StepCorrection(window=4, min_samples=2, steps_per_sample=10)
     c.observe(20, 10)  # the replica made twice the instance's tokens: steps take twice as long
     assert c.factor == 1.0  # (one sample: still learning)
     c.observe(10, 5)
@@ -120,6 +120,30 @@ def test_the_step_correction_is_the_median_of_token_ratios() -> None:
     c.observe(-1, 5)  # (a replica that moved back: ignored)
     with pytest.raises(ValueError):
         StepCorrection(window=2, min_samples=3)
+
+
+def test_a_step_sample_spans_steps_not_tokens() -> None:
+    """Thirty streams one step each make 30 tokens but one step: the replica a step ahead of
+    the instance there is no sample (it would say 2); over ten steps it is one, off by 1/10."""
+    from duetime.estimate.correction import StepCorrection
+
+    c = StepCorrection(window=4, min_samples=1, steps_per_sample=10)
+    c.observe(60, 30, streams=30)  # one step: the replica stands one step further
+    assert c.factor == 1.0
+    for _ in range(9):
+        c.observe(30, 30, streams=30)
+    assert c.factor == pytest.approx(330 / 300)
+
+
+def test_a_replica_takes_a_new_step_factor_only_when_it_moved() -> None:
+    from duetime.estimate.correction import SETTLE_MOVE, StepCorrection
+
+    c = StepCorrection(window=1, min_samples=1, steps_per_sample=1)
+    c.observe(1005, 1000)
+    assert c.settle() is None and c.applied == 1.0  # (0.5%: the replica keeps its model)
+    c.observe(110, 100)
+    assert c.settle() == pytest.approx(1.1) and c.applied == pytest.approx(1.1)
+    assert SETTLE_MOVE == 0.01
 
 
 def test_the_replica_steps_at_the_pace_the_instance_streams() -> None:

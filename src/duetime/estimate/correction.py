@@ -80,33 +80,48 @@ def correction_factor(view: object) -> float:
     return 1.0 if c is None else c.factor
 
 
+SETTLE_MOVE = 0.01  # a replica's step factor changes when the learnt one moved this much
+
+
 class StepCorrection:
     """A bounded multiplicative correction of an instance's step time, learnt from the tokens
-    it streams: over each stretch of at least ``tokens_per_sample`` observed decode tokens,
-    how many tokens the replica (stepping with the model as corrected so far) produced for
-    the same requests in the same time, against how many the instance did. The factor is the
-    median of the last ``window`` samples, bounded to ``[low, high]``, once ``min_samples``
-    are in (1 before): what to multiply the model's step time by.
+    it streams: over each stretch of at least ``steps_per_sample`` steps (observed decode
+    tokens per stream), how many tokens the replica (stepping with the model as corrected so
+    far) produced for the same requests in the same time, against how many the instance did.
+    The factor is the median of the last ``window`` samples, bounded to ``[low, high]``, once
+    ``min_samples`` are in (1 before): what to multiply the model's step time by.
 
     Why beside the TTFT correction: that one scales whole forecasts and learns only from
     first tokens, so a queue of decoding requests is priced with the idle-server step time
     until enough first tokens arrive; loaded steps on vLLM's CPU backend cost 2-15% off what
     the idle probes say (issue 31's measurements), and on a shared machine drift with the
-    load next door. Corrected step times move the replica's queue itself."""
+    load next door. Corrected step times move the replica's queue itself.
 
-    __slots__ = ("_obs", "_samples", "_sim", "applied", "high", "low", "min_samples",
-                 "tokens_per_sample")
+    Why a sample spans steps, not tokens: the replica and the instance are compared at one
+    moment, when either may stand one step ahead of the other, and that step is the same for
+    every stream of the batch -- over a stretch of k steps the sample is off by up to 1/k
+    whatever the batch size. (Closing samples on 32 *tokens* summed over a batch of 30 made
+    them one or two steps long: on the simulator the learnt factor then wandered by +-10%.)
 
-    def __init__(self, *, window: int = 16, min_samples: int = 3, tokens_per_sample: int = 32,
+    One implementation serves the gateway's shadow replicas
+    (:class:`~duetime.gateway.state.shadow.ShadowReplica`), the simulator's router views
+    (:class:`~duetime.sim.router_view.RouterView`) and ``duetime validate``'s replay.
+    """
+
+    __slots__ = ("_obs", "_samples", "_sim", "_steps", "applied", "high", "low", "min_samples",
+                 "steps_per_sample")
+
+    def __init__(self, *, window: int = 16, min_samples: int = 3, steps_per_sample: int = 32,
                  low: float = 0.25, high: float = 4.0) -> None:
-        if window < 1 or not 1 <= min_samples <= window or tokens_per_sample < 1:
-            raise ValueError(f"need 1 <= min_samples <= window and tokens_per_sample >= 1, "
-                             f"got {min_samples}, {window}, {tokens_per_sample}")
+        if window < 1 or not 1 <= min_samples <= window or steps_per_sample < 1:
+            raise ValueError(f"need 1 <= min_samples <= window and steps_per_sample >= 1, "
+                             f"got {min_samples}, {window}, {steps_per_sample}")
         self._samples: deque[float] = deque(maxlen=window)
-        self.min_samples, self.tokens_per_sample = min_samples, tokens_per_sample
+        self.min_samples, self.steps_per_sample = min_samples, steps_per_sample
         self.low, self.high = low, high
         self.applied = 1.0  # the factor the replica steps with now
         self._sim = self._obs = 0  # tokens of the stretch so far: the replica's, the instance's
+        self._steps = 0.0  # ... and its length in steps
 
     @property
     def factor(self) -> float:
@@ -115,13 +130,27 @@ class StepCorrection:
             return 1.0
         return min(self.high, max(self.low, statistics.median(s)))
 
-    def observe(self, replica_tokens: int, observed_tokens: int) -> None:
+    def observe(self, replica_tokens: int, observed_tokens: int, streams: int = 1) -> None:
         """Over one interval the replica (stepping with :attr:`applied`) produced
-        ``replica_tokens`` for the requests the instance produced ``observed_tokens`` for."""
-        if replica_tokens < 0 or observed_tokens < 0:
+        ``replica_tokens`` for the ``streams`` requests the instance produced
+        ``observed_tokens`` for."""
+        if replica_tokens < 0 or observed_tokens < 0 or streams < 1:
             return
         self._sim += replica_tokens
         self._obs += observed_tokens
-        if self._obs >= self.tokens_per_sample and self._sim > 0:
+        self._steps += observed_tokens / streams
+        if self._steps >= self.steps_per_sample and self._sim > 0:
             self._samples.append(self.applied * self._sim / self._obs)
             self._sim = self._obs = 0
+            self._steps = 0.0
+
+    def settle(self) -> float | None:
+        """The factor a replica should now step with, when it moved by more than
+        ``SETTLE_MOVE`` from :attr:`applied` (which it becomes); else None (a replica keeps
+        its model: re-pricing its queue for every small wobble would cost a model change per
+        sync and buy nothing measurable)."""
+        factor = self.factor
+        if abs(factor / self.applied - 1.0) <= SETTLE_MOVE:
+            return None
+        self.applied = factor
+        return factor

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from duetime.argtypes import frontend, key_value, positive_int
+from duetime.argtypes import frontend, key_value, positive_float, positive_int
 from duetime.experiments import report as rp
 from duetime.experiments.catalog import EXPERIMENTS, run_experiment
 from duetime.experiments.runner import Point, Runner
@@ -110,7 +110,7 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     runner = Runner(profile, seed=args.seed, noise=args.noise,
                     length_error=args.length_error, quality=args.quality,
                     charge_overhead=args.charge_overhead, prefix_caching=args.prefix_caching,
-                    cache_view=args.cache_view)
+                    cache_view=args.cache_view, step_scale=args.step_scale)
     try:
         params = check_params(args.policy, dict(args.policy_param or ()), "--policy-param")
     except PolicyError as e:
@@ -138,6 +138,9 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
             "ontime_utility", "wall_s", "simulated_s"]
     if fleet is not None:
         cols[1:1] = ["routers", "router_view", "staleness_s", "view_share"]
+        if "step_factor" in row:
+            cols[cols.index("mean_ttft_s"):cols.index("mean_ttft_s")] = [
+                "step_scale", "step_factor", "forecast_mape"]
     per_instance = res.instance_cache_hit_rate
     if per_instance is not None:  # some instance caches prefixes
         summary["cache_view"] = args.cache_view
@@ -155,9 +158,12 @@ def _fleet(args: argparse.Namespace, profile: WorkloadProfile,
     """``--routers`` and its options as a fleet (None: one router reading the true state)."""
     if args.routers is None:
         for flag, value in (("--router-view", args.router_view), ("--staleness", args.staleness),
-                            ("--router-spread", args.router_spread)):
+                            ("--router-spread", args.router_spread),
+                            ("--step-correction", args.step_correction or None),
+                            ("--step-scale", None if args.step_scale == 1.0 else 1)):
             if value is not None:
-                raise error(f"{flag} needs --routers N")
+                raise error(f"{flag} needs --routers N (routers with shadow views of their own: "
+                            "one router without it reads the instances' true state)")
         return None
     view = args.router_view or "shared"
     if args.staleness is not None and view != "shared":
@@ -169,7 +175,8 @@ def _fleet(args: argparse.Namespace, profile: WorkloadProfile,
     caching = [m for m, spec in profile.models.items() if spec.config.enable_prefix_caching]
     if args.prefix_caching or (caching and args.prefix_caching is None):
         raise error("--routers does not model prefix caching yet: add --no-prefix-caching")
-    return FleetSpec(args.routers, view, args.staleness or 0.0, args.router_spread or "random")
+    return FleetSpec(args.routers, view, args.staleness or 0.0, args.router_spread or "random",
+                     step_correction=args.step_correction)
 
 
 def _prefix_stream(kind: str, profile: WorkloadProfile, point: Point,
@@ -291,6 +298,14 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--router-spread", choices=SPREADS, default=None,
                    help="with --routers: how arrivals are spread over the routers (default "
                    "random)")
+    p.add_argument("--step-scale", type=positive_float, default=1.0, metavar="X",
+                   help="with --routers: every instance's steps take X times what its "
+                   "calibration says (the routers' views price them with the calibration; "
+                   "default 1)")
+    p.add_argument("--step-correction", action="store_true",
+                   help="with --routers: each router's views learn their instance's step time "
+                   "from the token counts its requests stream, as the gateway's "
+                   "state.step_correction")
     p.add_argument("--charge-overhead", action="store_true",
                    help="delay each request by the measured routing time")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")

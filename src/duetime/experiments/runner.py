@@ -49,6 +49,7 @@ class Runner:
     charge_overhead: bool = False
     prefix_caching: bool | None = None   # None: as the profile's configs say
     cache_view: str = "precise"
+    step_scale: float = 1.0  # the instances' steps against their calibration (ClusterSim)
     _streams: dict[tuple, RequestSet] = field(default_factory=dict)
 
     @staticmethod
@@ -78,7 +79,8 @@ class Runner:
         sim = ClusterSim(self.profile, policy, noise=self.noise,
                          length_error=self.length_error, quality=self.quality, seed=self.seed,
                          charge_overhead=self.charge_overhead, shadow_estimators=shadow,
-                         prefix_caching=self.prefix_caching, cache_view=self.cache_view)
+                         prefix_caching=self.prefix_caching, cache_view=self.cache_view,
+                         step_scale=self.step_scale)
         res = sim.run(self.requests(p), closed_loop=closed_loop)
         row: dict[str, Any] = {"router": p.name, "rate": p.rate, "arrivals": p.arrivals}
         if closed_loop is not None:
@@ -91,6 +93,10 @@ class Runner:
         if isinstance(policy, RouterFleet):
             row.update(routers=policy.n, router_view=policy.sharing,
                        staleness_s=policy.staleness_s, view_share=policy.seen_share())
+            if self.step_scale != 1.0 or policy.step_correction:
+                factors = policy.step_factors()
+                row.update(step_scale=self.step_scale, step_correction=policy.step_correction,
+                           step_factor=float(np.mean(factors)) if factors else 1.0)
         row.update(summarize(res))
         row["wall_s"] = res.wall_s
         row["simulated_s"] = res.simulated_s

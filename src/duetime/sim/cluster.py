@@ -20,6 +20,7 @@ prompt_hashes``) and each instance's cache as a precise or an estimated index
 
 from __future__ import annotations
 
+import math
 import time as wallclock
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,6 +35,7 @@ from duetime.policy.base import Candidate, Candidates, Policy, RoutingRequest
 from duetime.policy.registry import INSTANCE_INPUTS, QUALITY, SUCCESS
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
 from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_block_size
+from duetime.sim.fleet import RouterFleet
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
 from duetime.workload.profile import WorkloadProfile
@@ -133,7 +135,8 @@ class ClusterSim:
                  charge_overhead: bool = False,
                  shadow_estimators: tuple[Estimator, ...] = (),
                  length_model: LengthModel | None = None,
-                 prefix_caching: bool | None = None, cache_view: str = "precise") -> None:
+                 prefix_caching: bool | None = None, cache_view: str = "precise",
+                 step_scale: float = 1.0) -> None:
         """``instances``: (instance name, model name) pairs; default the profile's
         (:meth:`~duetime.workload.profile.WorkloadProfile.instance_pairs`: one per model, or
         its ``replicas``; several pairs may name one model).
@@ -144,7 +147,18 @@ class ClusterSim:
         ``prefix_caching``: True / False turns the engines' automatic prefix caching on / off
         on every instance; ``None`` keeps what each model's config says.
         ``cache_view``: what the router knows of a caching instance's cache, ``precise`` (the
-        instance's own) or ``estimated`` (learnt from its own routing decisions)."""
+        instance's own) or ``estimated`` (learnt from its own routing decisions).
+        ``step_scale``: every instance's steps take this many times what its calibration
+        says (a server slower or faster than its profile); the routers price steps with the
+        calibration, so it needs routers with views of their own (a
+        :class:`~duetime.sim.fleet.RouterFleet`: a router reading the true state would read
+        the true step times), which may learn the pace (``FleetSpec.step_correction``)."""
+        if not math.isfinite(step_scale) or step_scale <= 0:
+            raise ValueError(f"step_scale must be a positive number, got {step_scale!r}")
+        if step_scale != 1.0 and not isinstance(policy, RouterFleet):
+            raise ValueError("step_scale needs routers with views of their own (a RouterFleet"
+                             ", --routers N): a router reading the true state reads the true "
+                             "step times")
         if not isinstance(quality, QualitySource) and quality not in ("table", "oracle"):
             raise ValueError(f"quality: 'table', 'oracle' or a QualitySource, got {quality!r}")
         if prefix_caching is not None and not isinstance(prefix_caching, bool):
@@ -167,6 +181,7 @@ class ClusterSim:
         self.length_model = length_model
         self.prefix_caching = prefix_caching
         self.cache_view = cache_view
+        self.step_scale = float(step_scale)
 
     def spec(self, model: str) -> InstanceSpec:
         """The spec an instance of ``model`` runs (its profile's, with ``prefix_caching``)."""
@@ -190,7 +205,7 @@ class ClusterSim:
         noise_seeds = np.random.SeedSequence(self.seed).generate_state(len(self.pairs),
                                                                         np.uint64) >> 2
         insts = [SimInstance(name, self.spec(m), noise=self.noise, cache_view=self.cache_view,
-                             seed=int(s))
+                             seed=int(s), step_scale=self.step_scale)
                  for (name, m), s in zip(self.pairs, noise_seeds, strict=True)]
         if getattr(self.policy, "uses_load_board", False):
             board = LoadBoard(len(insts))

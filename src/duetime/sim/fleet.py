@@ -12,7 +12,10 @@ per (router, instance). What a router's views know (``sharing``):
 * ``shared``: also every other router's dispatches, first tokens and ends, each ``staleness_s``
   seconds after it happened (a shared ledger, e.g. Redis, synchronised with that delay).
 
-With one router both are the same: a gateway's shadow replica of each instance. Arrivals are
+With one router both are the same: a gateway's shadow replica of each instance. With
+``step_correction`` each view also learns its instance's step time from its router's token
+counts, as the gateway's replicas do (``state.step_correction``): the simulator's instances may
+step slower or faster than their calibration (``ClusterSim(step_scale=...)``). Arrivals are
 spread over the routers at random (``spread="random"``, as kube-proxy's default iptables mode
 picks a backend) or in turn (``"round-robin"``, IPVS's default).
 
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from duetime.engine.wait_estimate import LoadBoard
+from duetime.estimate.correction import StepCorrection
 from duetime.policy.base import Candidate, Candidates, Decision, Policy, RoutingRequest
 from duetime.policy.registry import SNAPSHOT
 from duetime.sim.instance import SimInstance
@@ -46,6 +50,7 @@ class FleetSpec:
     sharing: str = "shared"
     staleness_s: float = 0.0
     spread: str = "random"
+    step_correction: bool = False  # each view learns its instance's step time (RouterView)
 
     def __post_init__(self) -> None:
         if not isinstance(self.routers, int) or self.routers < 1:
@@ -55,7 +60,8 @@ class FleetSpec:
     def fleet(self, make: Callable[[int], Policy], seed: int = 0) -> RouterFleet:
         """A fleet whose router k is ``make(k)``."""
         return RouterFleet([make(k) for k in range(self.routers)], sharing=self.sharing,
-                           staleness_s=self.staleness_s, spread=self.spread, seed=seed)
+                           staleness_s=self.staleness_s, spread=self.spread, seed=seed,
+                           step_correction=self.step_correction)
 
 
 def check_fleet_options(sharing: str, staleness_s: float, spread: str) -> None:
@@ -96,7 +102,10 @@ class RouterFleet(Policy):
     summary = "N router replicas, each routing from its own view of the instances"
 
     def __init__(self, routers: Sequence[Policy], *, sharing: str = "independent",
-                 staleness_s: float = 0.0, spread: str = "random", seed: int = 0) -> None:
+                 staleness_s: float = 0.0, spread: str = "random", seed: int = 0,
+                 step_correction: bool = False) -> None:
+        """``step_correction``: each view learns its instance's step time from its router's
+        own token counts (:class:`~duetime.estimate.correction.StepCorrection`)."""
         if not routers:
             raise ValueError("a fleet needs at least one router")
         check_fleet_options(sharing, staleness_s, spread)
@@ -105,6 +114,7 @@ class RouterFleet(Policy):
         self.sharing = sharing
         self.staleness_s = float(staleness_s)
         self.spread = spread
+        self.step_correction = step_correction
         # the routers read their views' snapshots whatever they consume: the true instances
         # must be stepped to each decision's time for the fleet to read what happened
         self.consumes = frozenset().union(*(p.consumes for p in routers)) | {SNAPSHOT}
@@ -126,8 +136,18 @@ class RouterFleet(Policy):
         t = sum(self.truth)
         return sum(self.seen) / t if t else 1.0
 
+    def step_factors(self) -> list[float]:
+        """Per instance, the step factor its views apply at the end, averaged over the
+        routers (1 each without a step correction, or before the first decision)."""
+        if not self.views:
+            return []
+        return [float(np.mean([1.0 if vs[k].steps is None else vs[k].steps.applied
+                               for vs in self.views])) for k in range(len(self.views[0]))]
+
     def _build(self, cands: Sequence[Candidate]) -> None:
-        self.views = [[RouterView(c.name, c.view.spec) for c in cands] for _ in self.routers]
+        self.views = [[RouterView(c.name, c.view.spec,
+                                  StepCorrection() if self.step_correction else None)
+                       for c in cands] for _ in self.routers]
         self._cands = [Candidates(Candidate(c.name, c.model, c.price_prompt, c.price_output, v)
                                   for c, v in zip(cands, vs, strict=True))
                        for vs in self.views]

@@ -29,11 +29,15 @@ class SimInstance:
     calls); ``None`` when the spec's config does not enable prefix caching."""
 
     def __init__(self, name: str, spec: InstanceSpec, *, noise: float = 0.0,
-                 cache_view: str = "precise", seed: int | None = None) -> None:
-        """``seed``: the engine's step-noise stream (:class:`~duetime.engine.engine.Engine`)."""
+                 cache_view: str = "precise", seed: int | None = None,
+                 step_scale: float = 1.0) -> None:
+        """``seed``: the engine's step-noise stream (:class:`~duetime.engine.engine.Engine`).
+        ``step_scale``: the engine's steps take this many times what ``spec`` (the
+        calibration, which ``spec`` keeps) says."""
         self.name = name
         self.spec = spec
-        self.engine = Engine(spec.config, spec.batch_time, noise=noise, seed=seed)
+        self.engine = Engine(spec.config, spec.batch_time.scaled(1.0 / step_scale),
+                             noise=noise, seed=seed)
         self.now = 0.0
         self.prefix_index = prefix_index_for(self.engine, cache_view)
         self.board: LoadBoard | None = None

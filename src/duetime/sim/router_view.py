@@ -16,7 +16,12 @@ time the router learns it:
   when the replay stands where the instance stood; else at once).
 
 Token counts streamed back to the sending router correct its own requests at each of its
-decisions (:meth:`RouterView.correct`). Why a separate engine rather than the true engine
+decisions (:meth:`RouterView.correct`). With a step correction
+(:class:`~duetime.estimate.correction.StepCorrection`, as the gateway's ``state.step_correction``)
+they also teach the view its instance's pace: between two corrections (and up to the request's
+end) the tokens the replay made for the router's own requests against those the instance made,
+and a factor that moved is applied to the view's batch-time model -- the simulator's instances
+may step slower or faster than their calibration (``ClusterSim(step_scale=...)``). Why a separate engine rather than the true engine
 minus the requests the router does not know: the replica's errors are the ones a real replica
 makes -- its own requests prefill faster in a replay that lacks the others', and with shared
 state the others' requests join, get their first token and leave ``staleness`` seconds late
@@ -36,6 +41,7 @@ import numpy as np
 
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.spec import InstanceSpec
+from duetime.estimate.correction import StepCorrection
 from duetime.sim.instance import SimInstance
 
 ADD, FIRST, DONE = 0, 1, 2
@@ -61,13 +67,21 @@ class Known:
 class RouterView(SimInstance):
     """A router's shadow of one instance (no step noise: the router's model of the engine)."""
 
-    def __init__(self, name: str, spec: InstanceSpec) -> None:
+    def __init__(self, name: str, spec: InstanceSpec, steps: StepCorrection | None = None
+                 ) -> None:
+        """``steps``: learn the instance's step time from the router's own token counts
+        (None: step with the calibration)."""
         if spec.config.enable_prefix_caching:
             raise ValueError(f"{name}: router views of prefix-caching instances are not "
                              "modelled (their caches would need the known hashes too)")
         super().__init__(name, spec, seed=0)
         self._pending: list[tuple[float, int, Known]] = []
         self._seq = 0
+        self.steps = steps
+        # the router's own running requests: (replay's, instance's) tokens at the last correction
+        self._synced: dict[str, tuple[int, int]] = {}
+        if steps is not None and steps.applied != 1.0:
+            self.engine.set_model(spec.batch_time.scaled(1.0 / steps.applied))
 
     def learn(self, t: float, event: Known) -> None:
         """The router will know ``event`` from time ``t`` on. (Asynchronous scheduling: a
@@ -100,11 +114,13 @@ class RouterView(SimInstance):
                     eng.add(ev.rid, ev.prompt, eng.config.max_model_len,
                             predicted_output_tokens=ev.predicted, arrival=ev.dispatched)
             elif not eng.has(ev.rid):
+                self._synced.pop(ev.rid, None)
                 continue
             elif ev.kind == FIRST:
                 if int(eng.lookup([ev.rid]).output[0]) == 0:
                     eng.observe(ev.rid, 1)
             else:
+                self._learn_end(ev.rid, ev.tokens)
                 eng.end(ev.rid, ev.tokens)
         self._advance(t)
         self.now = t
@@ -118,5 +134,41 @@ class RouterView(SimInstance):
             return 0
         ids = [rids[k] for k in keep]
         outs = np.asarray(outputs)[keep]
-        differ = np.flatnonzero(np.abs(eng.lookup(ids).output - outs) > TOLERANCE).tolist()
-        return sum(eng.observe(ids[k], int(outs[k])) for k in differ)
+        replay = eng.lookup(ids).output
+        if self.steps is not None:
+            self._learn(ids, replay, outs)
+        differ = np.flatnonzero(np.abs(replay - outs) > TOLERANCE).tolist()
+        changed = sum(eng.observe(ids[k], int(outs[k])) for k in differ)
+        if self.steps is not None:
+            after = eng.lookup(ids).output.tolist()
+            self._synced.update(zip(ids, zip(after, outs.tolist(), strict=True), strict=True))
+        return changed
+
+    def _learn(self, ids: list[str], replay: np.ndarray, outs: np.ndarray) -> None:
+        """Since the last correction the replay made ``replay`` - its count then for each of
+        the router's requests it had already corrected, the instance ``outs`` - its count."""
+        synced = self._synced
+        made = seen = streams = 0
+        for rid, r, o in zip(ids, replay.tolist(), outs.tolist(), strict=True):
+            base = synced.get(rid)
+            if base is not None:
+                made += r - base[0]
+                seen += o - base[1]
+                streams += 1
+        if seen:
+            self._observe_steps(made, seen, streams)
+
+    def _learn_end(self, rid: str, tokens: int) -> None:
+        """The request ended with ``tokens``: its last stretch teaches the step correction."""
+        base = self._synced.pop(rid, None)
+        if base is not None and self.steps is not None:
+            self._observe_steps(int(self.engine.lookup([rid]).output[0]) - base[0],
+                                tokens - base[1])
+
+    def _observe_steps(self, made: int, seen: int, streams: int = 1) -> None:
+        steps = self.steps
+        assert steps is not None
+        steps.observe(made, seen, streams)
+        factor = steps.settle()
+        if factor is not None:
+            self.engine.set_model(self.spec.batch_time.scaled(1.0 / factor))

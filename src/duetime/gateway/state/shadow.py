@@ -99,15 +99,13 @@ class ShadowReplica(Subscriber):
             base = np.fromiter((self._synced[i] for i in ids), dtype=np.int64, count=len(ids))
             now_obs = {f.id: f.tokens for f in fl}
             observed = np.fromiter((now_obs[i] for i in ids), dtype=np.int64, count=len(ids))
-            steps.observe(int((replica - base).sum()), int((observed - base).sum()))
+            steps.observe(int((replica - base).sum()), int((observed - base).sum()), len(ids))
         self._apply_steps()
 
     def _apply_steps(self) -> None:
-        steps = self.steps
-        assert steps is not None
-        factor = steps.factor
-        if abs(factor / steps.applied - 1.0) > 0.05:
-            steps.applied = factor
+        assert self.steps is not None
+        factor = self.steps.settle()
+        if factor is not None:
             self.engine.set_model(self.model.scaled(1.0 / factor))
 
     def snapshot(self) -> Snapshot:
