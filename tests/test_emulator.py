@@ -419,7 +419,8 @@ def test_an_emulator_with_a_frontend_queues_requests_and_holds_tokens_behind_it(
     apart, and tokens reach the streams only as the server sends their chunks: the k-th
     stream to reach the engine ends no sooner than k+1 hand-offs and a chunk after it was
     sent (lower bounds: the emulator may be slower on a busy machine, never faster). Every
-    token and the usage arrive."""
+    token and the usage arrive; tokens that reached a stream together came in one chunk (as
+    vLLM merges them), each chunk counting the tokens so far (``continuous_usage_stats``)."""
     from duetime.engine.frontend import FrontendModel
 
     request_s, chunk_s = 0.03, 0.004
@@ -432,7 +433,8 @@ def test_an_emulator_with_a_frontend_queues_requests_and_holds_tokens_behind_it(
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
                 body = {"model": "qwen3-0.6b", "prompt": "hello", "max_tokens": 12,
                         "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}
+                        "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True}}
                 async def one():
                     t0 = time.perf_counter()
                     first = None
@@ -446,10 +448,17 @@ def test_an_emulator_with_a_frontend_queues_requests_and_holds_tokens_behind_it(
             await server.stop()
 
     got, emu = run(go())
+    merged = 0
     for _, events in got:
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 12
-        assert sum('"text"' in e for e in events[:-2]) == 12
+        chunks = [json.loads(e) for e in events[:-2]]
+        texts = [c["choices"][0]["text"].count("tok ") for c in chunks]
+        assert sum(texts) == 12 and all(t >= 1 for t in texts)
+        so_far = [c["usage"]["completion_tokens"] for c in chunks]
+        assert so_far == [sum(texts[:k + 1]) for k in range(len(texts))]
+        merged += sum(t > 1 for t in texts)
+    assert merged > 0  # (four streams' chunks at 4 ms each behind one server: some merged)
     ends = sorted(t for t, _ in got)
     # the k-th to reach the engine ends after k+1 hand-offs and its last chunk (its other
     # chunks may have merged while the server sent the other streams')

@@ -125,6 +125,38 @@ class _Chunks:
         return self.token.replace(b'"finish_reason":null', f'"finish_reason":"{reason}"'.encode(),
                                   1)
 
+    def tokens(self, first: int, n: int, *, merge: bool, usage: int | None,
+               reason: str | None) -> list[bytes]:
+        """The chunks of tokens ``first + 1 .. n`` (``reason``: the last ends the answer): one
+        per token, or, ``merge``, one for them all with their text joined (vLLM's output
+        collector merges what a lagging stream has not taken); with ``usage`` (the prompt's
+        tokens) each chunk says the tokens so far, as vLLM's ``continuous_usage_stats``."""
+        if n <= first:
+            return []
+        if not merge and usage is None:
+            parts = [self.token] * (n - first)
+            if reason is not None:
+                parts[-1] = self.last(reason)
+            return parts
+        counts = [n] if merge else range(first + 1, n + 1)
+        out, done = [], first
+        for k in counts:
+            chunk = self.token
+            if k - done > 1:
+                text = TOKEN_TEXT * (k - done)
+                key = (b'"content":' if self.chat else b'"text":')
+                chunk = chunk.replace(key + json.dumps(TOKEN_TEXT).encode(),
+                                      key + json.dumps(text).encode(), 1)
+            if reason is not None and k == n:
+                chunk = chunk.replace(b'"finish_reason":null',
+                                      f'"finish_reason":"{reason}"'.encode(), 1)
+            if usage is not None:
+                u = json.dumps(_usage(usage, k), separators=(",", ":")).encode()
+                chunk = chunk[:-len(b"}\n\n")] + b',"usage":' + u + b"}\n\n"
+            out.append(chunk)
+            done = k
+        return out
+
     def usage(self, prompt: int, completion: int) -> bytes:
         u = json.dumps(_usage(prompt, completion), separators=(",", ":"))
         return f'data: {self.head}[],"usage":{u}}}\n\n'.encode()
@@ -193,6 +225,9 @@ class Completions:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*SSE_HEADERS, (b"x-request-id", r.id.encode())]})
         sent = 0
+        # behind an emulated API server, the tokens that reach the stream together go out in
+        # one chunk, as vLLM's do (without one the emulator's server never falls behind)
+        merge = self.emu.frontend is not None
         while True:
             await r.event.wait()
             r.event.clear()
@@ -214,11 +249,9 @@ class Completions:
                 parts = []
                 if sent == 0 and chunks.role:
                     parts.append(chunks.role)
-                if r.done:
-                    parts.extend([chunks.token] * (n - sent - 1))
-                    parts.append(chunks.last(r.finish_reason))
-                else:
-                    parts.extend([chunks.token] * (n - sent))
+                parts += chunks.tokens(sent, n, merge=merge,
+                                       usage=r.prompt_tokens if req.continuous_usage else None,
+                                       reason=r.finish_reason if r.done else None)
                 sent = n
                 if r.done:
                     if req.include_usage:

@@ -156,6 +156,11 @@ class StateSpec(_Strict):
     # online correction of each instance's step time from the tokens it streams (the shadow
     # replica's model; duetime.estimate.correction.StepCorrection): off unless true
     step_correction: bool = False
+    # ask each instance for the output tokens so far in every streamed chunk (vLLM's
+    # stream_options.continuous_usage_stats), to count tokens where a lagging API server merged
+    # several into one chunk; stripped from what clients that did not ask for it see. False
+    # for servers that reject the option (tokens are then counted one per chunk)
+    continuous_usage: bool = True
     # where gateway replicas share live state (duetime.gateway.backends.redis_flights): a redis:// (or
     # rediss://, unix://) URL; unset: this process's memory only
     store: str | None = None

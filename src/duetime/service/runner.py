@@ -93,9 +93,11 @@ class Service:
                 urls[inst.name] = self.emulator_servers[inst.name].url
                 continue
             # the profile's own timing (the emulator applies its speed) with the
-            # instance's limits (its ``config:`` overrides included)
+            # instance's limits (its ``config:`` overrides included) and API server (its
+            # ``frontend:``, in wall seconds: not scaled by the speed)
             profile = load_profile(inst.profile)  # type: ignore[arg-type]
-            emu = opts.emulator(replace(profile, config=inst.config), inst.served_model)
+            emu = opts.emulator(replace(profile, config=inst.config, frontend=inst.frontend),
+                                inst.served_model)
             token = secrets.token_urlsafe(32)
             server = await AppServer(create_app(emu, admin_token=token), host="127.0.0.1",
                                      port=0).start()

@@ -22,6 +22,8 @@ class CompletionRequest:
     prompt_tokens: int
     stream: bool = False
     include_usage: bool = False
+    # the client asked for the tokens so far in every chunk (vLLM's continuous_usage_stats)
+    continuous_usage: bool = False
     max_tokens: int | None = None
     ignore_eos: bool = False
     body: dict[str, Any] = field(default_factory=dict)
@@ -116,14 +118,15 @@ def parse_completion(raw: bytes, *, chat: bool) -> CompletionRequest:
         max_tokens = mct if mct is not None else max_tokens
     stream = _opt_bool(body, "stream")
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options",
                            code="invalid_type")
         include_usage = _opt_bool(opts, "include_usage")
-    return CompletionRequest(chat, model, prompt_tokens, stream, include_usage, max_tokens,
-                             _opt_bool(body, "ignore_eos"), body)
+        continuous = include_usage and _opt_bool(opts, "continuous_usage_stats")
+    return CompletionRequest(chat, model, prompt_tokens, stream, include_usage, continuous,
+                             max_tokens, _opt_bool(body, "ignore_eos"), body)
 
 
 def parse_tokenize(raw: bytes) -> int:

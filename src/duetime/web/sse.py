@@ -30,6 +30,54 @@ def payload(ev: bytes) -> bytes | None:
     return None
 
 
+_SO_FAR = b'"completion_tokens":'
+_USAGE = b',"usage":{'
+
+
+def tokens_so_far(data: bytes) -> int | None:
+    """The output tokens a token chunk says were made so far (its ``usage.completion_tokens``,
+    which vLLM puts in every chunk with ``stream_options.continuous_usage_stats``), or None
+    where it says nothing. Why: an API server that falls behind merges the tokens its stream
+    has not taken yet into one chunk (vLLM's per-request output collector), so one chunk is
+    not always one token. A byte search, not a JSON parse: it runs for every chunk relayed."""
+    k = data.find(_SO_FAR)
+    if k < 0:
+        return None
+    k += len(_SO_FAR)
+    end = k
+    n = len(data)
+    while end < n and data[end] == 0x20:  # (a space after the colon: other servers' JSON)
+        end += 1
+        k += 1
+    while end < n and 0x30 <= data[end] <= 0x39:
+        end += 1
+    return int(data[k:end]) if end > k else None
+
+
+def without_usage(ev: bytes) -> bytes:
+    """A token event without the ``"usage"`` object vLLM's continuous usage stats add to it
+    (for a client that did not ask for them: the gateway asks on its own behalf); the event
+    as it is where it has none or it cannot be cut cleanly."""
+    k = ev.find(_USAGE)
+    if k < 0:
+        return ev
+    depth, j, n = 0, k + len(_USAGE) - 1, len(ev)
+    while j < n:
+        c = ev[j]
+        if c == 0x7B:  # {
+            depth += 1
+        elif c == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                return ev[:k] + ev[j + 1:]
+        elif c == 0x22:  # (no strings in a usage object but its keys: skip them whole)
+            j = ev.find(b'"', j + 1)
+            if j < 0:
+                return ev
+        j += 1
+    return ev
+
+
 class Kind:
     """What a streamed completion's event is, for whoever counts its tokens
     (:func:`event_kind`)."""

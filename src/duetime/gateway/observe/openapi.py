@@ -39,7 +39,8 @@ _COMMON_BODY = {
           "description": "only 1 is supported"},
     "stream": _BOOL,
     "stream_options": {"type": "object", "nullable": True,
-                       "properties": {"include_usage": _BOOL}},
+                       "properties": {"include_usage": _BOOL,
+                                      "continuous_usage_stats": _BOOL}},
     "ignore_eos": _BOOL,
 }
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {

@@ -40,7 +40,15 @@ from duetime.gateway.relay.resumption import Continuation
 from duetime.gateway.state.lifecycle import Attempt, Lifecycle, Outcome
 from duetime.gateway.upstream import Upstream, UpstreamError, chunks, finish, read_all
 from duetime.web.asgi import Send, send_json
-from duetime.web.sse import SSE_HEADERS, Kind, chunk_of, classified, split_events
+from duetime.web.sse import (
+    SSE_HEADERS,
+    Kind,
+    chunk_of,
+    classified,
+    split_events,
+    tokens_so_far,
+    without_usage,
+)
 
 log = logging.getLogger("duetime.gateway")
 
@@ -95,6 +103,8 @@ class _Stream:
     kept: list[bytes] | None = None
     # a continuation's: its events as the first answer's (:class:`Continuation`)
     rewrite: Callable[[list[bytes]], list[bytes]] | None = None
+    # the token events carry usage the gateway asked for and the client did not: cut it
+    strip_usage: bool = False
 
 
 class AttemptRunner:
@@ -126,6 +136,7 @@ class AttemptRunner:
                 raise
             if resumable:
                 st.kept = []
+            st.strip_usage = self.pool.state.continuous_usage and not ctx.req.continuous_usage
             if continuation is not None:
                 st.rewrite = continuation.rewrite
             t_first = time.monotonic()
@@ -283,11 +294,13 @@ class AttemptRunner:
                 st.told = True
                 out.append(ev + b"\n\n")
             else:
-                st.tokens += kind == Kind.TOKEN
+                if kind == Kind.TOKEN:  # (a lagging server merges tokens: count its own count)
+                    so_far = tokens_so_far(data)
+                    st.tokens = st.tokens + 1 if so_far is None else so_far
                 if collect:
                     st.answer.add(chunk_of(data))
                 else:
-                    out.append(ev + b"\n\n")
+                    out.append((without_usage(ev) if st.strip_usage else ev) + b"\n\n")
                     if st.kept is not None:
                         st.kept.append(ev)
         self.lifecycle.record_progress(a, st.tokens)

@@ -30,7 +30,7 @@ from duetime.estimate.base import KeysByBlockSize
 from duetime.gateway.intake.request import RequestContext
 from duetime.gateway.relay.reassembly import Reassembly
 from duetime.web.prefix_keys import prompt_block_keys
-from duetime.web.sse import DONE, Kind, chunk_of, classified
+from duetime.web.sse import DONE, Kind, chunk_of, classified, tokens_so_far
 
 # request fields whose output a continuation cannot reproduce from text alone
 _INEXACT = ("logprobs", "top_logprobs", "echo", "suffix", "response_format", "guided_json",
@@ -76,6 +76,7 @@ class Sent:
     def add(self, events: list[bytes], *, chat: bool) -> None:
         """Take in an attempt's forwarded token and role events."""
         answer = Reassembly()
+        made = 0  # this attempt's tokens (its own count where its chunks carry one)
         for _, data, kind in classified(events):
             if kind in (Kind.TOKEN, Kind.ROLE):
                 chunk = chunk_of(data)
@@ -83,7 +84,10 @@ class Sent:
                 u = chunk.get("usage")
                 if isinstance(u, dict) and self.prompt_tokens is None:
                     self.prompt_tokens = u.get("prompt_tokens")
-                self.tokens += kind == Kind.TOKEN
+                if kind == Kind.TOKEN:
+                    so_far = tokens_so_far(data)
+                    made = made + 1 if so_far is None else so_far
+        self.tokens += made
         self.id, self.created = self.id or answer.id, self.created or answer.created
         self.model = self.model or answer.model
         c = answer.choices.get(0)

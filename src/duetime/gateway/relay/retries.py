@@ -41,16 +41,18 @@ class Relay:
         self.attempts = attempts
         self.metrics = metrics
 
-    @staticmethod
-    def upstream_body(ctx: RequestContext) -> dict:
+    def upstream_body(self, ctx: RequestContext) -> dict:
         """The body sent upstream: always a stream, with its usage (the gateway counts tokens
-        with it); the client's other stream options (vLLM's continuous_usage_stats) go
-        along."""
+        with it) -- in every chunk where ``state.continuous_usage`` says so (vLLM's
+        ``continuous_usage_stats``: a lagging server merges tokens into fewer chunks); the
+        client's other stream options go along."""
         body = dict(ctx.req.body)
         body["stream"] = True
         opts = body.get("stream_options")
         body["stream_options"] = {**(opts if isinstance(opts, dict) else {}),
                                   "include_usage": True}
+        if self.pool.state.continuous_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
         return body
 
     def _next(self, ctx: RequestContext, made: int, tried: set[str],
