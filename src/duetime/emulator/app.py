@@ -2,7 +2,7 @@
 
 | endpoint | what |
 |---|---|
-| ``POST /v1/completions``, ``POST /v1/chat/completions`` | SSE streaming (``data: {...}`` chunks, ``data: [DONE]``) or one JSON body; ``max_tokens`` caps the output |
+| ``POST /v1/completions``, ``POST /v1/chat/completions`` | SSE streaming (``data: {...}`` chunks, ``data: [DONE]``; behind an emulated API server, the tokens that reach a stream together share one chunk, as vLLM merges them; ``stream_options.continuous_usage_stats`` puts the tokens so far in every chunk) or one JSON body; ``max_tokens`` caps the output |
 | ``GET /v1/models`` | the one served model |
 | ``POST /tokenize`` | ``{"count", "max_model_len", "tokens"}`` from the documented estimate (tokens are placeholders: one id per 4 characters, the same for the same characters) |
 | ``GET /health`` | 200, or 503 when marked unhealthy |
