@@ -1,7 +1,8 @@
 """The simulator with an API server in front of its instances (engine/frontend.py): without
 one nothing changes; with one, each instance's requests go through the exact queue (the same
 times as the trace replay through frontend and engine), the estimators see its backlog, and
-what it cannot simulate yet (closed loops, retries) is refused with a clear error."""
+closed loops and retries run through it (a client sends its next request when the last chunk
+of its previous answer is sent)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,10 @@ class _WithoutQueue:
                 - frontend_delay(view, view.snapshot(), now))
 
 
-def test_sfs_counts_the_queue_and_unsupported_runs_are_refused():
+def test_sfs_counts_the_queue():
     """SFS's forecasts on a pool whose API servers queue (chunks of tens of streams per step)
     are closer to what the clients see than the same forecasts without the queue (median
-    |error| measured at 8.6 and 12 q/s: 7.6-9.5% with it); closed loops are refused."""
+    |error| measured at 8.6 and 12 q/s: 7.6-9.5% with it)."""
     reqs = _requests(400, rate=12.0)
     prof = _with_frontend(PROF, SLOW)
     res = ClusterSim(prof, make_policy("sfs", {}, defaults={"lambda": PROF.lam}), seed=0,
@@ -81,9 +82,78 @@ def test_sfs_counts_the_queue_and_unsupported_runs_are_refused():
     without = np.median(np.abs(res.shadow["sfs-without-queue"][ok] / res.ttft[ok] - 1))
     print(f"median |error| {err:.3f} with the queue, {without:.3f} without")
     assert err < 0.2 and err < without, (err, without)
-    with pytest.raises(ValueError, match="open loop only"):
-        ClusterSim(prof, make_policy("round-robin", {}, defaults={"lambda": PROF.lam})
-                   ).run(reqs, closed_loop=4)
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "sfs"])
+def test_a_closed_loop_through_a_free_frontend_is_the_closed_loop_without_one(policy):
+    """A frontend that costs nothing hands each request over at once and sends each token
+    when it is made: the same run as without one, step for step."""
+    reqs = _requests(200)
+    free = _with_frontend(PROF, FrontendModel(0.0, 0.0))
+
+    def run(prof):
+        return ClusterSim(prof, make_policy(policy, {}, defaults={"lambda": PROF.lam}),
+                          seed=0).run(reqs, closed_loop=6)
+
+    got, want = run(free), run(PROF)
+    assert np.array_equal(got.instance, want.instance)
+    assert got.requests.arrival == pytest.approx(want.requests.arrival)
+    assert got.first_token == pytest.approx(want.first_token)
+    assert got.finish == pytest.approx(want.finish)
+
+
+def test_a_closed_loop_client_waits_for_its_last_chunk():
+    """Behind a slow frontend each client sends its next request when its previous answer's
+    last chunk is out: with one client, every send is the previous request's delivered end
+    (which the frontend makes later than without it), and each request's times are those of
+    the trace replay through frontend and engine."""
+    reqs = _requests(60)
+    prof = _with_frontend(PROF, SLOW)
+    res = ClusterSim(prof, make_policy("round-robin", {}, defaults={"lambda": PROF.lam}),
+                     seed=0).run(reqs, closed_loop=1)
+    sent = res.requests.arrival
+    assert sent[1:] == pytest.approx(res.finish[:-1])
+    plain = ClusterSim(PROF, make_policy("round-robin", {}, defaults={"lambda": PROF.lam}),
+                       seed=0).run(reqs, closed_loop=1)
+    assert res.finish[-1] > plain.finish[-1] + 60 * SLOW.own_s - 1e-9
+    models = PROF.model_names
+    for k, (_, model) in enumerate(PROF.instance_pairs()):
+        mine = np.flatnonzero(res.instance == k)
+        mi = models.index(model)
+        spec = prof.models[model]
+        sends = [(str(i), float(sent[i]), int(reqs.prompt[i]), int(reqs.output[i, mi]))
+                 for i in mine.tolist()]
+        got = serve_trace(Engine(spec.config, spec.batch_time, time=sends[0][1]),
+                          Frontend(SLOW), sends)
+        assert res.finish[mine] == pytest.approx([got[s[0]].last for s in sends])
+
+
+def test_retries_run_through_the_frontend():
+    """``run_retries`` behind a frontend: an attempt ends for its client with its delivered
+    last chunk. One client, so every attempt runs alone and the same attempts are made: each
+    takes at least its hand-off and first chunk longer than without the frontend."""
+    from duetime.sim.retry import run_retries
+
+    n = 30
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, 1000, n)
+    models = {m: PROF.models[m] for m in PROF.model_names}
+    output = rng.integers(20, 200, (n, len(models)))
+    correct = rng.random((n, len(models))) < 0.6
+    success = np.full((n, len(models)), 0.6)
+
+    def run(ms):
+        return run_retries(ms, make_policy("round-robin", {}, defaults={"lambda": PROF.lam}),
+                           prompt, output, correct, success, clients=1, task="kv",
+                           retry_cap=3, seed=0)
+
+    slow = run({m: replace(s, frontend=SLOW) for m, s in models.items()})
+    plain = run(models)
+    assert sum(len(a) for a in slow.attempts) > n  # (some answers were wrong: retried)
+    for a, b in zip(slow.attempts, plain.attempts, strict=True):
+        assert [(x[0], x[2]) for x in a] == [(x[0], x[2]) for x in b]
+        for (_, t_slow, _), (_, t_plain, _) in zip(a, b, strict=True):
+            assert t_slow >= t_plain + SLOW.own_s - 1e-9
 
 
 def test_duetime_simulate_frontend(tmp_path, capsys):
@@ -100,8 +170,9 @@ def test_duetime_simulate_frontend(tmp_path, capsys):
         return json.loads((out / "summary.json").read_text())["mean_ttft_s"]
 
     assert mean_ttft("--frontend", "4,0.5") > mean_ttft() + 0.004
-    for bad, says in ((["--frontend", "4"], "expected REQ_MS,CHUNK_MS[,N]"),
-                      (["--frontend", "4,1", "--clients", "2"], "open loop only")):
+    assert main(["simulate", "--policy", "sfs", "--clients", "4", "--requests", "60",
+                 "--frontend", "4,0.5", "--out", str(tmp_path / "closed")]) == 0
+    for bad, says in ((["--frontend", "4"], "expected REQ_MS,CHUNK_MS[,N]"),):
         assert main(["simulate", "--policy", "sfs", "--requests", "10", "--rate", "1",
                      "--out", str(tmp_path / "x"), *bad]) != 0
         err = capsys.readouterr().err

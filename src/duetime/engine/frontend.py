@@ -27,6 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True, slots=True)
 class FrontendModel:
@@ -149,13 +151,15 @@ class FrontedEngine:
     outputs are applied once time passes them (:meth:`advance` to a later time), so a request
     sent while the step runs is ahead of them at the server, as it is on a real one."""
 
-    __slots__ = ("_first", "_handing", "_outputs", "_seq", "delivered", "engine", "frontend")
+    __slots__ = ("_first", "_handing", "_outputs", "_seq", "delivered", "ended", "engine",
+                 "frontend")
 
     def __init__(self, engine: Any, frontend: Frontend) -> None:
         """``engine``: an :class:`~duetime.engine.engine.Engine`."""
         self.engine = engine
         self.frontend = frontend
         self.delivered: dict[str, Delivered] = {}  # requests whose last token is out
+        self.ended: list[str] = []  # ... the ids delivered since a caller last took them
         # admitted, not at the engine yet: (reach, order, id, prompt, output, predicted, keys)
         self._handing: list[tuple[float, int, str, int, int, int | None, Sequence[int]]] = []
         self._seq = 0
@@ -165,11 +169,10 @@ class FrontedEngine:
 
     def busy_until(self) -> float:
         """When there is next something to do (inf when nothing): the engine's clock while it
-        has work, the next hand-off, or outputs not applied yet."""
-        eng = self.engine
-        t = math.inf if eng.idle else eng.time
-        if self._handing:
-            t = min(t, self._handing[0][0])
+        has work (a request handed over meanwhile joins at that step boundary), else the next
+        hand-off; or outputs not applied yet, if sooner."""
+        eng, handing = self.engine, self._handing
+        t = eng.time if not eng.idle else handing[0][0] if handing else math.inf
         return min(t, self._outputs[0][0]) if self._outputs else t
 
     def submit(self, rid: str, prompt: int, output: int, t: float, *,
@@ -206,6 +209,32 @@ class FrontedEngine:
         """Run until nothing is left (requests still in the frontend included)."""
         self.advance(math.inf)
 
+    def hand_over(self, t: float) -> None:
+        """Hand over now the requests that reached the engine by ``t`` and that its next step
+        would take anyway (a busy engine: those that reached it by its clock; an idle one: at
+        ``t``, which is then its clock), so that a forecast made at ``t`` sees them queued:
+        the same steps as :meth:`advance` makes, sooner."""
+        eng, handing = self.engine, self._handing
+        while handing and handing[0][0] <= t:
+            if eng.idle:
+                eng.set_clock(max(eng.time, handing[0][0]))
+            elif handing[0][0] > eng.time:
+                break
+            reach, _, rid, prompt, output, predicted, hashes = heapq.heappop(handing)
+            eng.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=reach,
+                    hashes=hashes)
+
+    def next_event(self) -> list[tuple[str, float]]:
+        """Do the next thing due (:meth:`busy_until`: a hand-off, a step, outputs to send)
+        and return the requests whose last token that delivered, with when their clients got
+        it (a closed loop's clients send their next request then)."""
+        t = self.busy_until()
+        if t == math.inf:
+            return []
+        self.advance(float(np.nextafter(t, math.inf)))
+        got, self.ended = self.ended, []
+        return [(rid, self.delivered[rid].last) for rid in got]
+
     def _apply(self, t: float) -> None:
         fe, first, outputs = self.frontend, self._first, self._outputs
         k = 0
@@ -216,6 +245,7 @@ class FrontedEngine:
             for rid in finished:
                 # (the last token's chunk: this step's, or the queued one it merged into)
                 self.delivered[rid] = Delivered(first.pop(rid), fe.chunk_end(rid))
+                self.ended.append(rid)
                 fe.finish(rid)
             k += 1
         del outputs[:k]

@@ -89,8 +89,6 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     except ProfileError as e:
         raise error(str(e)) from None
     if args.frontend is not None:
-        if args.clients is not None:
-            raise error("--frontend: simulated in open loop only (not with --clients yet)")
         profile = replace(profile, models={m: replace(s, frontend=args.frontend)
                                            for m, s in profile.models.items()})
     replay = args.trace or args.mooncake
@@ -251,8 +249,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="sfs-soft's delta (per us; the same as --policy-param delta=...)")
     p.add_argument("--frontend", type=frontend, default=None, metavar="REQ_MS,CHUNK_MS[,N]",
                    help="an API server in front of every instance, as vLLM's: milliseconds of "
-                   "its work per request and per output chunk, N servers (default: none); "
-                   "open loop only")
+                   "its work per request and per output chunk, N servers (default: none)")
     p.add_argument("--noise", type=float, default=0.0,
                    help="log-space spread of per-step time noise on the instances (default 0)")
     p.add_argument("--length-error", type=float, default=0.3,

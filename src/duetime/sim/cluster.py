@@ -303,9 +303,6 @@ class ClusterSim:
                 k = int(chosen[i])
                 busy_until[k] = insts[k].busy_until()
         else:
-            if any(inst.fronted is not None for inst in insts):
-                raise ValueError("closed_loop: instances with a frontend are simulated in "
-                                 "open loop only (not yet in closed loops)")
             requests = self._closed_loop(requests, insts, closed_loop, dispatch)
         first = np.full(n, np.nan)
         fin = np.full(n, np.nan)

@@ -128,10 +128,14 @@ class SimInstance:
 
     def sync(self) -> None:
         """An idle engine's clock brought to ``now`` (the simulator steps only the engines
-        with work; an idle one's clock follows the decision's time when it is read)."""
+        with work; an idle one's clock follows the decision's time when it is read); behind a
+        frontend, the requests it has handed over by ``now`` queued at the engine
+        (:meth:`~duetime.engine.frontend.FrontedEngine.hand_over`)."""
         eng = self.engine
         if eng.idle and eng.time < self.now:
             eng.set_clock(self.now)
+        if self.fronted is not None:
+            self.fronted.hand_over(self.now)
 
     def snapshot(self) -> Snapshot:
         self.sync()

@@ -4,12 +4,15 @@ Clients send requests; a request's end may make its client send another one (its
 request, or a retry of the same one: the ``finished`` hook decides). The busy instance with the
 earliest clock steps next; a pending send at ``t`` is dispatched once every busy instance has
 reached ``t`` (idle instances' clocks jump to it), so routing sees every instance as it is at
-``t``. Sends at the same time go out in the order they were made.
+``t``. Sends at the same time go out in the order they were made. Behind a frontend
+(``SimInstance.fronted``) an instance's next thing may also be a hand-off or a step's outputs
+to send, and a request ends for its client when its last chunk is sent.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -28,10 +31,10 @@ def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]]
     heapq.heapify(heap)
     seq = len(heap)
     while True:
-        busy = [i for i in insts if not i.engine.idle]
+        busy = [i for i in insts if i.busy_until() < math.inf]
         if not heap and not busy:
             return
-        horizon = min((i.engine.time for i in busy), default=float("inf"))
+        horizon = min((i.busy_until() for i in busy), default=math.inf)
         if heap and heap[0][0] <= horizon:
             t, _, item = heapq.heappop(heap)
             for inst in insts:
@@ -40,9 +43,14 @@ def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]]
                 inst.now = t
             dispatch(t, item)
             continue
-        step = min(busy, key=lambda i: i.engine.time).engine.step()
-        # (asynchronous scheduling: the outputs are the previous step's, made at this start)
-        for rid in step.finished_ids if step else ():
-            for item in finished(rid, step.outputs_at):
-                heapq.heappush(heap, (step.outputs_at, seq, item))
+        nxt = min(busy, key=lambda i: i.busy_until())
+        if nxt.fronted is not None:
+            ended = nxt.fronted.next_event()
+        else:
+            step = nxt.engine.step()
+            # (asynchronous scheduling: the outputs are the previous step's, made at its start)
+            ended = [(rid, step.outputs_at) for rid in step.finished_ids] if step else []
+        for rid, at in ended:
+            for item in finished(rid, at):
+                heapq.heappush(heap, (at, seq, item))
                 seq += 1

@@ -97,9 +97,6 @@ def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: 
     success_pred = (success.quality_table(QueryTable([task] * n, [str(q) for q in range(n)]),
                                           names, success=True)
                     if isinstance(success, QualitySource) else np.asarray(success, dtype=float))
-    if any(models[m].frontend is not None for m in names):
-        raise ValueError("run_retries: instances with a frontend are not simulated with "
-                         "retries yet")
     insts = [SimInstance(m, models[m], cache_view=cache_view) for m in names]
     cands = [Candidate(m, m, 0.0, 0.0, inst) for m, inst in zip(names, insts, strict=True)]
     rng = np.random.default_rng(seed)
@@ -123,11 +120,11 @@ def run_retries(models: dict[str, InstanceSpec], policy: Policy, prompt_tokens: 
                              attempted=frozenset(tried[q]), success=success_pred[q],
                              prompt_hashes=ph)
         mi = policy.choose(req, cands, t).index
-        engine = insts[mi].engine
-        engine.add(req.id, int(prompt_tokens[q]), int(output_tokens[q, mi]),
-                   predicted_output_tokens=int(pred_out[q, mi]), arrival=t,
-                   hashes=ph(engine.config.block_size) if ph is not None and engine.caching
-                   else ())
+        inst = insts[mi]
+        engine = inst.engine
+        inst.submit(req.id, int(prompt_tokens[q]), int(output_tokens[q, mi]),
+                    int(pred_out[q, mi]), t,
+                    ph(engine.config.block_size) if ph is not None and engine.caching else ())
         inflight[req.id] = (q, mi, t)
 
     def finished(rid: str, t: float) -> list[int]:
