@@ -21,10 +21,11 @@ decisions (:meth:`RouterView.correct`). With a step correction
 they also teach the view its instance's pace: between two corrections (and up to the request's
 end) the tokens the replay made for the router's own requests against those the instance made,
 and a factor that moved is applied to the view's batch-time model -- the simulator's instances
-may step slower or faster than their calibration (``ClusterSim(step_scale=...)``). Why a separate engine rather than the true engine
-minus the requests the router does not know: the replica's errors are the ones a real replica
-makes -- its own requests prefill faster in a replay that lacks the others', and with shared
-state the others' requests join, get their first token and leave ``staleness`` seconds late
+may step slower or faster than their calibration (``ClusterSim(step_scale=...)``).
+
+Why a separate engine rather than the true engine minus the requests the router does not
+know: the replica's errors are the ones a real replica makes -- its own requests prefill faster
+in a replay that lacks the others', and with shared state the others' requests join, get their first token and leave ``staleness`` seconds late
 (still decoding, still holding KV in the meantime). Filtering the true engine would show the
 known requests at their true progress and drop finished ones at once: it would hide all of
 that. Fed with every request at once (shared, staleness 0), the replica replays exactly what
