@@ -25,10 +25,10 @@ may step slower or faster than their calibration (``ClusterSim(step_scale=...)``
 
 Why a separate engine rather than the true engine minus the requests the router does not
 know: the replica's errors are the ones a real replica makes -- its own requests prefill faster
-in a replay that lacks the others', and with shared state the others' requests join, get their first token and leave ``staleness`` seconds late
-(still decoding, still holding KV in the meantime). Filtering the true engine would show the
-known requests at their true progress and drop finished ones at once: it would hide all of
-that. Fed with every request at once (shared, staleness 0), the replica replays exactly what
+in a replay that lacks the others', and with shared state the others' requests join, get
+their first token and leave ``staleness`` seconds late (still decoding, still holding KV in the
+meantime). Filtering the true engine would show the known requests at their true progress and
+drop finished ones at once: it would hide all of that. Fed with every request at once (shared, staleness 0), the replica replays exactly what
 the true engine does (same rules, same batch-time model, no noise), so its decisions equal a
 single router's on the true state (tested).
 """
