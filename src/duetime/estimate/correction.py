@@ -100,8 +100,10 @@ class StepCorrection:
     Why a sample spans steps, not tokens: the replica and the instance are compared at one
     moment, when either may stand one step ahead of the other, and that step is the same for
     every stream of the batch -- over a stretch of k steps the sample is off by up to 1/k
-    whatever the batch size. (Closing samples on 32 *tokens* summed over a batch of 30 made
-    them one or two steps long: on the simulator the learnt factor then wandered by +-10%.)
+    whatever the batch size, where 32 tokens summed over a batch of 30 would be one or two
+    steps. (On the simulator, whose views are compared at decisions a fraction of a second
+    apart, both rules gave samples as tight: 5th percentile 1.257 and 1.259, median 1.300 and
+    1.298, for a pool 1.3x slower; the rule is for the gateway's 20 ms token syncs.)
 
     One implementation serves the gateway's shadow replicas
     (:class:`~duetime.gateway.state.shadow.ShadowReplica`), the simulator's router views
