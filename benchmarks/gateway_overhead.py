@@ -236,7 +236,9 @@ def _default_litellm() -> str | None:
 
 def tokenizer_cost(folder: str, reps: int = 2000) -> None:
     """µs per request of the gateway's prompt counting and block keys, with the pool's
-    tokenizer and without (the estimate), for a short chat and an 8-turn conversation."""
+    tokenizer and without (the estimate), for a short chat and an 8-turn conversation: seen
+    for the first time (each repetition a new conversation), and its eighth turn after its
+    first seven (a conversation that comes back: the tokenizer keeps rendered prefixes)."""
     from duetime.web.prefix_keys import prompt_block_keys
     from duetime.web.prompt_tokens import PromptTokenizer
     from duetime.web.requests import parse_completion
@@ -245,29 +247,43 @@ def tokenizer_cost(folder: str, reps: int = 2000) -> None:
     text = ("the quick brown fox jumps over the lazy dog while seven tall ships sail past "
             "quiet harbours")
     words = text.split(" ")
-    long = [{"role": "system", "content": " ".join(words * 20)}]
-    for k in range(8):
-        long.append({"role": "user" if k % 2 == 0 else "assistant",
-                     "content": " ".join(words[k:] * 6)})
-    bodies = {"short chat": json.loads(BODY), "8-turn chat": {"model": MODEL, "messages": long}}
-    print(f"prompt tokens per request, µs (median of {reps}; tokenizer {folder})")
+
+    def conversation(k: int, turns: int = 8) -> dict:
+        """Conversation ``k`` (its own system prompt) up to its ``turns``-th message."""
+        msgs = [{"role": "system", "content": f"conversation {k}: " + " ".join(words * 20)}]
+        for t in range(turns):
+            msgs.append({"role": "user" if t % 2 == 0 else "assistant",
+                         "content": " ".join(words[t:] * 6)})
+        return {"model": MODEL, "messages": msgs}
+
+    def time_one(raw: bytes, mode: str) -> tuple[float, int]:
+        t = time.perf_counter()
+        req = parse_completion(raw, chat=True)
+        if mode == "tokenizer":
+            req.token_ids = tok.ids(req)
+            req.prompt_tokens = len(req.token_ids)
+        prompt_block_keys(req, 16)
+        return time.perf_counter() - t, req.prompt_tokens
+
+    rows = {"short chat": lambda k: [json.dumps(json.loads(BODY)).encode()],
+            "8-turn chat": lambda k: [json.dumps(conversation(k)).encode()],
+            "8th turn": lambda k: [json.dumps(conversation(k, t)).encode()
+                                   for t in range(1, 9)]}
+    print(f"prompt tokens per request, µs (median of {reps}; tokenizer {folder}; 8-turn chat: "
+          "a new conversation each time; 8th turn: after the same conversation's first 7)")
     print(f"{'request':>12}  {'tokens':>6}  {'estimate':>8}  {'tokenizer':>9}  {'ratio':>5}")
-    for name, body in bodies.items():
-        raw = json.dumps(body).encode()
+    for r, (name, bodies) in enumerate(rows.items()):
         times = {}
         n = 0
         for mode in ("estimate", "tokenizer"):
             xs = []
-            for _ in range(reps):
-                t = time.perf_counter()
-                req = parse_completion(raw, chat=True)
-                if mode == "tokenizer":
-                    req.token_ids = tok.ids(req)
-                    req.prompt_tokens = len(req.token_ids)
-                prompt_block_keys(req, 16)
-                xs.append(time.perf_counter() - t)
+            for k in range(reps):
+                *earlier, last = bodies(r * reps + k + (0 if mode == "estimate" else 10**6))
+                for raw in earlier:  # (the conversation's earlier turns, untimed)
+                    time_one(raw, mode)
+                dt, n = time_one(last, mode)
+                xs.append(dt)
             times[mode] = statistics.median(xs) * 1e6
-            n = req.prompt_tokens
         print(f"{name:>12}  {n:>6}  {times['estimate']:>8.1f}  {times['tokenizer']:>9.1f}  "
               f"{times['tokenizer'] / times['estimate']:>5.1f}")
     print()

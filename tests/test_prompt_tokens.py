@@ -145,3 +145,55 @@ def test_the_gateway_keys_blocks_by_the_servers_tokens(tmp_path):
                             {"role": "user", "content": "hello world"}])
     intake.count_tokens(second)
     assert prompt_block_keys(second, 16)[:len(keys)] == keys
+
+
+def test_a_returning_conversation_is_encoded_from_its_kept_prefix_exactly(tmp_path):
+    """Each turn's prompt equals the whole text's encoding, though after the first turn only
+    the part after the previous turn's last special token is encoded: random conversations
+    whose messages hold spaces, newlines, non-ASCII text and the special markers themselves."""
+    import random
+
+    from duetime.web.prompt_tokens import PrefixIds
+
+    folder, tok = make_folder(tmp_path / "m", bos=True)
+    pt = PromptTokenizer(folder)
+    rng = random.Random(0)
+    pieces = ["the", " quick", " fox", "\n", "  ", "é", "中文", "<|im_end|>", "<|im_start|>",
+              " \n", "hello world", "<|endoftext|>", "dog "]
+
+    def text() -> str:
+        return "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+
+    turns = 0
+    for _ in range(60):
+        messages = [{"role": "system", "content": text()}]
+        for _ in range(5):
+            messages.append({"role": "user", "content": text()})
+            rendered = pt.render({"messages": messages})
+            assert pt.ids(chat(messages=messages)) == tok.encode(
+                rendered, add_special_tokens=False).ids, rendered
+            turns += 1
+            messages.append({"role": "assistant", "content": text()})
+    assert pt.prefixes.hits == turns - 60  # (every turn after a conversation's first)
+    small = PrefixIds(size=2)
+    for k in range(3):
+        small.keep(f"p{k}", [k])
+    assert small.longest("p0 and on", [2]) == (0, [])  # (the oldest went out)
+    assert small.longest("p2 and on", [2]) == (2, [2])
+
+
+def test_a_special_token_that_strips_what_follows_is_not_a_cut(tmp_path):
+    from tokenizers import AddedToken
+
+    folder, tok = make_folder(tmp_path / "m")
+    tok.add_special_tokens([AddedToken("<|sep|>", rstrip=True, normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    pt = PromptTokenizer(folder)
+    assert "<|sep|>" not in pt.cut_after and "<|im_end|>" in pt.cut_after
+    messages = [{"role": "user", "content": "hello <|sep|>  world"}]
+    for _ in range(2):
+        rendered = pt.render({"messages": messages})
+        assert pt.ids(chat(messages=messages)) == tok.encode(rendered,
+                                                             add_special_tokens=False).ids
+        messages += [{"role": "assistant", "content": "the <|sep|> \n dog"},
+                     {"role": "user", "content": "<|sep|> fox"}]

@@ -135,6 +135,17 @@ def test_the_gateways_prompt_tokens_are_vllms(servers) -> None:
                 want = c.post(f"{s.base_url}/tokenize", json=body).json()["tokens"]
                 got = tok.ids(parse_completion(json.dumps(body).encode(), chat=True))
                 assert got == want, (messages, extra)
+        # a conversation that comes back, a turn longer each time: encoded from the kept
+        # prefix of its previous turn on, still vLLM's ids
+        hits = tok.prefixes.hits
+        messages = [{"role": "system", "content": _words(30)}]
+        for turn in range(4):
+            messages.append({"role": "user", "content": _words(7 + turn)})
+            body = {"model": s.name, "messages": messages}
+            want = c.post(f"{s.base_url}/tokenize", json=body).json()["tokens"]
+            assert tok.ids(parse_completion(json.dumps(body).encode(), chat=True)) == want
+            messages.append({"role": "assistant", "content": _words(5 + turn)})
+        assert tok.prefixes.hits - hits == 3
         text = _words(50)
         want = c.post(f"{s.base_url}/tokenize", json={"model": s.name, "prompt": text})
         got = tok.ids(parse_completion(json.dumps({"prompt": text}).encode(), chat=False))

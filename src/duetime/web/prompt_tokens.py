@@ -28,13 +28,24 @@ with a request, and what this module does the same way (``vllm/renderers/hf.py``
 
 A request the template rejects, or one with what this module cannot reproduce (images, a
 request's own ``chat_template``, ``continue_final_message``), gets ``None``: the gateway then falls back to its estimate.
+
+A conversation comes back with one more turn each time, its earlier turns rendered the same:
+the token ids of each chat prompt's rendered text up to its last special token (``<|im_end|>``)
+are kept (:class:`PrefixIds`, least recently used out), and a later prompt that starts with
+such a text is encoded from there on only. Exact, not an approximation: the tokenizer splits a
+text at its added tokens before it normalises, pre-tokenises and merges, so the ids of a text
+cut just after a special token (one that does not strip the whitespace after it) are the ids
+of the part before the cut followed by those of the part after it (tested against the whole
+encoding on random conversations).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import re
+from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +62,39 @@ _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cl
 # vLLM's "openai" content format: the template walks a message's content parts itself
 _PARTS_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+\s*\[\s*['\"]content['\"]\s*\]"
                          r"|for\s+\w+\s+in\s+\w+\.content\b")
+
+
+PREFIXES_KEPT = 256  # rendered conversation prefixes whose token ids are kept
+
+
+class PrefixIds:
+    """Token ids of rendered chat prompts up to a cut after a special token, by that text
+    (least recently used out beyond ``size``)."""
+
+    def __init__(self, size: int = PREFIXES_KEPT) -> None:
+        self.size = size
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def longest(self, text: str, cuts: list[int]) -> tuple[int, list[int]]:
+        """The longest kept prefix of ``text`` among those ending at ``cuts`` (ascending):
+        (its length, its ids); (0, []) when none is kept."""
+        kept = self._ids
+        for c in reversed(cuts):
+            ids = kept.get(text[:c])
+            if ids is not None:
+                kept.move_to_end(text[:c])
+                self.hits += 1
+                return c, ids
+        self.misses += 1
+        return 0, []
+
+    def keep(self, prefix: str, ids: list[int]) -> None:
+        kept = self._ids
+        kept[prefix] = ids
+        kept.move_to_end(prefix)
+        while len(kept) > self.size:
+            kept.popitem(last=False)
 
 
 class TokenizerError(ValueError):
@@ -93,6 +137,12 @@ class PromptTokenizer:
             raise TokenizerError(f"{file}: not a tokenizer.json ({e})") from None
         self._tok.no_truncation()
         self._tok.no_padding()
+        # the special tokens a chat prompt may be cut after (see PrefixIds): special, matched
+        # as written (not normalised) and not eating the whitespace after them
+        self.cut_after = sorted({a.content for a in self._tok.get_added_tokens_decoder()
+                                  .values() if a.special and not a.rstrip and not a.normalized
+                                  and a.content}, key=len, reverse=True)
+        self.prefixes = PrefixIds()
         config: dict[str, Any] = {}
         cfg_file = folder / CONFIG_FILE
         if cfg_file.is_file():
@@ -158,6 +208,33 @@ class PromptTokenizer:
         ``add_special_tokens``)."""
         return self._tok.encode(text, add_special_tokens=special).ids
 
+    def _cuts(self, text: str) -> list[int]:
+        """Where ``text`` may be cut: just after each occurrence of a cut token, ascending."""
+        cuts: list[int] = []
+        for token in self.cut_after:
+            k = text.find(token)
+            while k >= 0:
+                cuts.append(k + len(token))
+                k = text.find(token, k + len(token))
+        cuts.sort()
+        return cuts
+
+    def encode_chat(self, text: str) -> list[int]:
+        """A rendered chat prompt's ids (no special tokens added), encoded from its longest
+        kept prefix on; its own prefix up to its last cut is kept for the next turn."""
+        cuts = self._cuts(text)
+        if not cuts:
+            return self.encode(text, special=False)
+        start, head = self.prefixes.longest(text, cuts)
+        enc = self._tok.encode(text[start:], add_special_tokens=False)
+        ids = head + enc.ids
+        last = cuts[-1]
+        if last > start:  # (the ids up to the last cut: the tokens that end by it)
+            ends = [e for _, e in enc.offsets]
+            k = bisect.bisect_right(ends, last - start)
+            self.prefixes.keep(text[:last], ids[:len(head) + k])
+        return ids
+
     def render(self, body: dict[str, Any]) -> str | None:
         """A chat request's prompt text, as the model's template renders it (None: no
         template, or a request it cannot reproduce or that the template rejects)."""
@@ -199,7 +276,9 @@ class PromptTokenizer:
             text = self.render(body)
             if text is None:
                 return None
-            return self.encode(text, special=bool(body.get("add_special_tokens", False)))
+            if body.get("add_special_tokens", False):
+                return self.encode(text, special=True)
+            return self.encode_chat(text)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
