@@ -197,3 +197,35 @@ def test_a_special_token_that_strips_what_follows_is_not_a_cut(tmp_path):
                                                              add_special_tokens=False).ids
         messages += [{"role": "assistant", "content": "the <|sep|> \n dog"},
                      {"role": "user", "content": "<|sep|> fox"}]
+
+
+def test_kept_chains_give_the_keys_a_fresh_chain_gives() -> None:
+    """Prompts that share runs of whole blocks with earlier ones (a returning conversation,
+    two conversations with one system prompt, a salt, another block size) get the keys of a
+    chain computed from scratch; a caller that changes its list changes nothing kept."""
+    import random
+    from array import array
+
+    from duetime.web import prefix_keys as pk
+
+    def fresh(ids: list[int], bs: int, salt: str | None) -> list[int]:
+        n = len(ids) // bs
+        raw = array("q", ids[:n * bs]).tobytes()
+        return pk._chain([raw[i * 8 * bs:(i + 1) * 8 * bs] for i in range(n)], pk._TOKENS,
+                         salt)
+
+    rng = random.Random(3)
+    kept = pk._KEPT
+    hits = kept.hits
+    base = [rng.randrange(50_000) for _ in range(2_000)]
+    for _ in range(400):
+        ids = base[:rng.randrange(len(base))] + [rng.randrange(50_000)
+                                                 for _ in range(rng.randrange(200))]
+        bs, salt = rng.choice([16, 32]), rng.choice([None, "tenant-a"])
+        got = token_block_keys(ids, bs, salt=salt)
+        assert got == fresh(ids, bs, salt)
+        got.clear()  # (the caller's list)
+        assert token_block_keys(ids, bs, salt=salt) == fresh(ids, bs, salt)
+    assert kept.hits - hits > 400
+    # a prompt whose first block differs from every kept one hashes from scratch
+    assert token_block_keys([1] * 64, 16) == fresh([1] * 64, 16, None)

@@ -19,6 +19,11 @@ in every process); a request's ``cache_salt`` (vLLM's field) goes into the first
 so salted requests share blocks only with the same salt. Only full blocks get keys, and at
 most ``prompt_tokens // block_size`` of them (the estimate's full blocks).
 
+A conversation comes back a turn longer each time: the keys of a token prompt's full blocks
+are kept (:class:`KeptChains`, per process, the most recent prompts by their first block), and
+a later prompt that shares whole blocks with a kept one takes their keys and hashes only the
+blocks after them (a block's key depends only on the blocks up to it: exact).
+
 What the text estimate costs: text that a tokenizer would cut into the same tokens keys
 alike here, and text that differs keys apart, but a block boundary falls every 64 characters
 rather than every 16 tokens, so the cached prefix a hit reuses is as long as the shared text
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -57,6 +63,66 @@ def _chain(blocks: Sequence[bytes], kind: bytes, salt: str | None,
     return out
 
 
+class KeptChains:
+    """The block keys of recent token prompts, by their first block's ids (with the block size
+    and salt): up to ``per_first`` prompts each, ``size`` first blocks in all, least recently
+    used out. Prompts are compared as lists of ids (a returning conversation's ids are largely
+    the same int objects, so the comparison is mostly pointer checks); only the blocks after
+    the shared run are packed and hashed."""
+
+    def __init__(self, size: int = 256, per_first: int = 4) -> None:
+        self.size, self.per_first = size, per_first
+        self._by_first: OrderedDict[tuple, list[tuple[list[int], list[int]]]] = OrderedDict()
+        self.hits = 0
+
+    @staticmethod
+    def _shared_blocks(a: Sequence[int], b: Sequence[int], bs: int) -> int:
+        """How many whole blocks of ``bs`` ids ``a`` and ``b`` share from the start: all of
+        the shorter one's (a conversation that came back: one comparison), else block by
+        block (another prompt: it shares few)."""
+        hi = min(len(a), len(b)) // bs
+        if a[:hi * bs] == b[:hi * bs]:
+            return hi
+        k = 0
+        while a[k * bs:(k + 1) * bs] == b[k * bs:(k + 1) * bs]:
+            k += 1
+        return k
+
+    def keys(self, ids: Sequence[int], n: int, bs: int, salt: str | None) -> list[int]:
+        """The chained keys of the first ``n`` blocks of ``bs`` ids, reusing the kept keys of
+        the longest shared run of whole blocks. Raises OverflowError or TypeError for ids
+        that are not int64 (the caller keys those another way)."""
+        ids = list(ids[:n * bs])
+        first = (bs, salt, *ids[:bs])
+        kept = self._by_first.get(first)
+        best, best_keys = 0, None
+        for old_ids, old_keys in kept or ():
+            k = self._shared_blocks(ids, old_ids, bs)
+            if k > best:
+                best, best_keys = k, old_keys
+                if k == min(len(ids), len(old_ids)) // bs:
+                    break  # (a whole kept prompt, the most recent first: taken as it is)
+        raw = array("q", ids[best * bs:]).tobytes()
+        step = 8 * bs
+        blocks = [raw[i * step:(i + 1) * step] for i in range(n - best)]
+        if best_keys is not None:
+            self.hits += 1
+            keys = best_keys[:best]
+            if blocks:
+                keys += _chain(blocks, _TOKENS, salt, parent_key=keys[-1])
+        else:
+            keys = _chain(blocks, _TOKENS, salt)
+        entries = self._by_first.setdefault(first, [])
+        self._by_first.move_to_end(first)
+        entries[:] = [(ids, keys), *[e for e in entries if e[0] != ids][:self.per_first - 1]]
+        while len(self._by_first) > self.size:
+            self._by_first.popitem(last=False)
+        return list(keys)  # (the kept list is not the caller's to change)
+
+
+_KEPT = KeptChains()
+
+
 def token_block_keys(ids: Sequence[int], block_size: int, *, salt: str | None = None,
                      limit: int | None = None, parent: int | None = None) -> list[int]:
     """Chained keys of the full blocks of a prompt of token ids (at most ``limit``); with
@@ -68,6 +134,8 @@ def token_block_keys(ids: Sequence[int], block_size: int, *, salt: str | None = 
     if n <= 0:
         return []
     try:
+        if parent is None:  # (a prompt's keys: a returning conversation's are kept)
+            return _KEPT.keys(ids, n, block_size, salt)
         raw = array("q", ids[:n * block_size]).tobytes()
         step = 8 * block_size
         blocks = [raw[i * step:(i + 1) * step] for i in range(n)]
