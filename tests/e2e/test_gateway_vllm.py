@@ -612,30 +612,30 @@ def test_client_disconnect_cancels_the_upstream_request(gateway, servers):
     assert wait_until(lambda: vllm_running(large) == 0, 10.0), "tiny-large is busy"
     before = scrape(gateway.url)
     generated = vllm_generated(large)
-    body = completion_body("count to ten", 1500, model="tiny-large", stream=True)
+    # As many tokens as the context holds, and the client leaves at its first token: the
+    # request outlives the disconnect by all the rest (tiny-large makes ~2,000 tokens a second
+    # on a 2-core machine, so nothing slow, not even a /metrics scrape, may come in between)
+    most = MAX_MODEL_LEN - 16
+    body = completion_body("count to ten", most, model="tiny-large", stream=True)
     with httpx.Client(base_url=gateway.url, timeout=TIMEOUT) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
-            events: list[str] = []
             # hold the iterator: a dropped httpx line iterator closes the response at once
             lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line)
-                    if len(events) == 3:
-                        break
-            assert all('"text"' in e for e in events), events
-            # ~1500 tokens at tens of ms each: it runs for a long while unless cancelled
-            assert wait_until(lambda: vllm_running(large) == 1, 3.0), (
-                f"tiny-large does not run the request: {vllm_running(large)}; {events}")
+            first = next(line for line in lines if line.startswith("data: "))
             lines.close()
         t_closed = time.monotonic()  # leaving the block closed the unfinished response
+    assert '"text"' in first, first
     assert wait_until(lambda: vllm_running(large) == 0, 5.0), (
         "tiny-large still runs the request after the client went away")
-    print(f"\nupstream request gone {time.monotonic() - t_closed:.2f} s after the disconnect")
+    print(f"\nupstream request gone {time.monotonic() - t_closed:.2f} s after the disconnect"
+          f" ({vllm_generated(large) - generated:.0f} of {most} tokens made)")
     made = vllm_generated(large) - generated
     time.sleep(0.5)
-    assert vllm_generated(large) - generated == made < 1500, "tiny-large still generates"
+    assert vllm_generated(large) - generated == made, "tiny-large still generates"
+    assert 0 < made < most, (
+        f"tiny-large made {made:.0f} of the request's {most} tokens: the disconnect did not "
+        "reach it before the request ended")
 
     def counted() -> bool:
         m = scrape(gateway.url)
