@@ -16,7 +16,14 @@ Medians over snapshots (and probes); ``p90`` of ``first`` shows the spread. The 
 first <= 100 us and further <= 10 us on 200 running / 20 waiting; the released SFS C++
 simulator takes ~1e-4 s per forecast.
 
-A second table times forecasts with prefix caching: snapshots of a live engine (one that has
+A second table times a live engine's own forecaster (``Engine.forecaster()``: kept across the
+engine's changes, its replay read straight from the engine's arrays,
+:mod:`duetime.engine.live_forecast`) after one change — an arrival at the waiting tail or one
+engine step — beside what the same forecast costs through a snapshot of the same state
+(``forecast(engine.snapshot(), ...)``: the tables built, the replay arrays made from them).
+The two are timed in alternating order on each state; ``steps``: base steps recorded.
+
+A third table times forecasts with prefix caching: snapshots of a live engine (one that has
 forecast before, a step ago, as an instance's engine in the simulator or the gateway has)
 whose cache holds ``cached`` blocks (of earlier conversations, free to evict) beside 200 running / 20
 waiting requests of tenants that share system prompts; every probe shares one too, with its
@@ -96,6 +103,59 @@ def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int
         replay(snap, 1000, reference=True)
         rows["oracle"].append(time.perf_counter() - t)
     return {"rows": rows, "steps": statistics.median(steps)}
+
+
+def live_engine(model, budget: int, seed: int, asynchronous: bool = False
+                ) -> tuple[Engine, Callable[[], None]]:
+    """A live engine without caching, 200 running and 20 just arrived (prompts and outputs
+    log-normal, medians ~665 and ~150 tokens; predictions within 30%), and a function that
+    adds one more such request."""
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=256,
+                          max_model_len=131072, block_size=16, num_gpu_blocks=100_000,
+                          async_scheduling=asynchronous)
+    eng = Engine(cfg, model, retain_finished=False)
+    count = itertools.count()
+
+    def add() -> None:
+        p = int(rng.lognormvariate(6.5, 0.8)) + 1
+        out = int(rng.lognormvariate(5.0, 0.8)) + 1
+        eng.add(f"r{next(count)}", p, out,
+                predicted_output_tokens=max(1, int(out * rng.uniform(0.7, 1.3))))
+
+    while eng.num_running < 200:
+        add()
+        eng.step()
+    for _ in range(20):
+        add()
+    return eng, add
+
+
+def measure_live(model, budget: int, n_engines: int, asynchronous: bool = False) -> dict:
+    rows: dict[str, list[float]] = {k: [] for k in ("arrival", "arrival_snap", "step",
+                                                    "step_snap", "further")}
+    steps: dict[str, list[int]] = {"arrival": [], "step": []}
+    for seed in range(n_engines):
+        eng, add = live_engine(model, budget, seed, asynchronous)
+        eng.forecaster().ttft(1000)  # (an engine's first forecast allocates its buffers)
+        for k in range(8):
+            for change, what in ((add, "arrival"), (eng.step, "step")):
+                change()
+                order = (0, 1) if k % 2 else (1, 0)
+                for o in order:
+                    t = time.perf_counter()
+                    if o == 0:
+                        fc = eng.forecaster()
+                        fc.ttft(1000)
+                    else:
+                        forecast(eng.snapshot(), 1000)
+                    rows[what if o == 0 else what + "_snap"].append(time.perf_counter() - t)
+                steps[what].append(fc._n)
+                for p in FURTHER[:3]:
+                    t = time.perf_counter()
+                    eng.forecaster().ttft(p)
+                    rows["further"].append(time.perf_counter() - t)
+    return {"rows": rows, "steps": {k: statistics.median(v) for k, v in steps.items()}}
 
 
 def caching_engine(model, budget: int, cached: int, seed: int, asynchronous: bool = False,
@@ -220,6 +280,22 @@ def main() -> None:
               f"{_us(rows['from_dict']):>9.0f} {first:>7.1f} {_p90(rows['first']):>7.1f} "
               f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>7.1f} "
               f"{_us(rows['oracle']):>8.0f} {_us(rows['oracle']) / first:>11.1f}x")
+
+    print()
+    print("a live engine's own forecaster after one change (200 running, 20 just arrived), "
+          "beside a forecast of its snapshot; microseconds per call")
+    head = (f"{'model':>6} {'budget':>6} {'change':>7} {'steps':>5} {'live':>7} {'p90':>7} "
+            f"{'snapshot':>8} {'p90':>7} {'further':>7}")
+    print(head)
+    print("-" * len(head))
+    for model, budget in ((sfs6, 8192), (paper4, 8192), (sfs6, 32768)):
+        got = measure_live(model, budget, max(3, n // 3), args.async_scheduling)
+        rows = got["rows"]
+        for what in ("arrival", "step"):
+            print(f"{model.name:>6} {budget:>6} {what:>7} {got['steps'][what]:>5.0f} "
+                  f"{_us(rows[what]):>7.1f} {_p90(rows[what]):>7.1f} "
+                  f"{_us(rows[what + '_snap']):>8.1f} {_p90(rows[what + '_snap']):>7.1f} "
+                  f"{_us(rows['further']):>7.1f}")
 
     print()
     print("with prefix caching: a live engine's snapshot (200 running, 20 waiting, 8 tenants' "

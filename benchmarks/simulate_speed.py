@@ -3,7 +3,12 @@
 The issue's target: a 16,000-request point at 8.6 q/s (~31 simulated minutes) under ``sfs``
 at >= 200x real time on one core. Every router is timed on the same request stream, in one run.
 
-    python benchmarks/simulate_speed.py [--requests N] [--rate R]
+A second table runs ``sfs`` on bigger pools at the same load per instance (``--pools``: replicas
+of each of the paper's three models; the rate scaled with them): the cost per request should
+not grow with the pool. Each pool routes ``max(--requests, 60 s of arrivals)`` requests.
+
+    python benchmarks/simulate_speed.py [--requests N] [--rate R] [--routers A,B]
+                                        [--pools 1,30,100]
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=8.6)
     ap.add_argument("--routers", default="sfs,round-robin,shortest-queue,load-aware,"
                     "latency-agnostic,throughput,lps")
+    ap.add_argument("--pools", default="1,30,100",
+                    help="replicas per model of the pool table ('' for none)")
     args = ap.parse_args()
     runner = Runner(load_workload("paper"), seed=0)
     runner.run(Point("sfs", args.rate, 200))  # compile / load the kernels first
@@ -33,6 +40,28 @@ def main() -> None:
         p50 = float(np.median(res.overhead_s)) * 1e6
         print(f"{router:>17} {row['wall_s']:>8.2f} {row['simulated_s']:>12.0f} "
               f"{row['simulated_s'] / row['wall_s']:>12.0f} {p50:>21.1f} {row['on_time']:>8.3f}")
+
+    if args.pools:
+        pools(args.requests, args.rate, [int(r) for r in args.pools.split(",")])
+
+
+def pools(requests: int, rate: float, replicas: list[int]) -> None:
+    """``sfs`` over pools of 3 x ``r`` instances at ``rate`` x ``r`` q/s."""
+    print()
+    print(f"sfs at {rate} q/s per 3 instances (the paper's three models, r replicas each)")
+    print(f"{'instances':>9} {'q/s':>7} {'requests':>8} {'wall s':>7} {'us/request':>10} "
+          f"{'x real time':>11} {'routing us/req (p50)':>21} {'vs first':>8}")
+    first = None
+    for r in replicas:
+        runner = Runner(load_workload("paper").with_replicas(r), seed=0)
+        q = rate * r
+        n = max(requests, int(q * 60))
+        row, res = runner.run(Point("sfs", q, n))
+        per = row["wall_s"] / n * 1e6
+        first = first or per
+        print(f"{3 * r:>9} {q:>7.1f} {n:>8} {row['wall_s']:>7.2f} {per:>10.1f} "
+              f"{row['simulated_s'] / row['wall_s']:>11.0f} "
+              f"{float(np.median(res.overhead_s)) * 1e6:>21.1f} {per / first:>7.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pytest
 from duetime.engine import Engine
 from duetime.engine.frontend import Frontend, FrontendModel, serve_trace
 from duetime.estimate import SfsEstimator
+from duetime.estimate.base import forecaster_of
 from duetime.estimate.sfs import frontend_delay
 from duetime.experiments.runner import Point, Runner
 from duetime.policy import make_policy
@@ -66,7 +67,7 @@ class _WithoutQueue:
 
     def ttft(self, view, prompt_tokens, now, *, hashes=None):
         return (self.sfs.ttft(view, prompt_tokens, now, hashes=hashes)
-                - frontend_delay(view, view.snapshot(), now))
+                - frontend_delay(view, forecaster_of(view), now))
 
 
 def test_sfs_counts_the_queue():

@@ -42,9 +42,10 @@ from duetime.engine.block_pool_kernel import (
     store_free,
 )
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import config_array
+from duetime.engine.forecasting import Forecaster, config_array, forecaster
 from duetime.engine.kv import blocks_for, stuck_reason
 from duetime.engine.kv_kernel import HELD, kv_release, kv_take
+from duetime.engine.live_forecast import LiveForecaster
 from duetime.engine.prefix_state import PrefixState, with_room
 from duetime.engine.scheduler import EngineStuck
 from duetime.engine.snapshot import RequestTable, Snapshot
@@ -180,6 +181,7 @@ class Engine:
         self._rows: dict[str, int] = {}
         self._revision = 0
         self._snap: tuple[tuple[int, int, float], Snapshot] | None = None
+        self._live: LiveForecaster | None = None
         self._load_row: np.ndarray | None = None
 
     # -- state ----------------------------------------------------------------------------------
@@ -825,6 +827,28 @@ class Engine:
         if time is None:
             self._snap = (key, snap)
         return snap
+
+    def forecaster(self) -> Forecaster:
+        """The forecaster of the engine's current state: one kept across the engine's changes
+        and read from its arrays (:mod:`duetime.engine.live_forecast`); with prefix caching,
+        its snapshot's. Its forecasts are measured from :attr:`time` and equal those of
+        ``forecast(self.snapshot(), ...)``."""
+        if self.caching:
+            return forecaster(self.snapshot())
+        live = self._live
+        if live is None:
+            live = self._live = LiveForecaster(self)
+        return live.sync()
+
+    def replay_base(self, sigma: float, state: tuple, rec: np.ndarray, cum: np.ndarray,
+                    rec_t: np.ndarray, room: np.ndarray, target: int,
+                    max_steps: int) -> tuple[int, int, int]:
+        """Read the current state into a forecaster's replay arrays ``state`` (req, stamps,
+        run, wq, st, clock, cfg, weights), as a snapshot of it would be replayed, and record
+        its base from the start (:func:`~duetime.engine.scheduler_kernel.live_base`; without
+        prefix caching)."""
+        return kn.live_base(self._req, self._pred, self._run, self._wq, self._st, sigma,
+                            *state, rec, cum, rec_t, room, target, max_steps)
 
     def _prefix_state(self, rows_r: np.ndarray, rows_w: np.ndarray) -> PrefixState:
         """The cache behind a snapshot: borrowed, valid while the engine does not change."""

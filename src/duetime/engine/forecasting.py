@@ -107,7 +107,7 @@ def config_array(cfg: SchedulerConfig) -> np.ndarray:
 
 
 @lru_cache(maxsize=256)
-def _weights_array(model: BatchTimeModel) -> np.ndarray:
+def weights_array(model: BatchTimeModel) -> np.ndarray:
     return np.array(model.weights, dtype=np.float64)
 
 
@@ -142,7 +142,7 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
                                                  probe_hashes)
         except ValueError as e:
             raise ForecastError(str(e)) from None
-    return (req, stamps, running, wq, st, clock, cfg_arr, _weights_array(snapshot.model),
+    return (req, stamps, running, wq, st, clock, cfg_arr, weights_array(snapshot.model),
             *pool)
 
 
@@ -332,21 +332,39 @@ class Forecaster:
     def __init__(self, snapshot: Snapshot, *, sigma: float = DEFAULT_SIGMA,
                  max_steps: int = DEFAULT_MAX_STEPS) -> None:
         self.snapshot = snapshot
+        self._setup(snapshot.config, snapshot.model, sigma, max_steps)
+        self._state = None if self._caching else self._fresh_state()
+
+    @property
+    def time(self) -> float:
+        """The instant forecasts are measured from (the snapshot's time)."""
+        return self.snapshot.time
+
+    @property
+    def streams(self) -> int:
+        """Requests resident ahead of a probe (running and waiting)."""
+        return len(self.snapshot.running_table) + len(self.snapshot.waiting_table)
+
+    def _fresh_state(self) -> tuple:
+        """The replay arrays of the forecast state, before any step (see :func:`_state`)."""
+        return _state(self.snapshot, self.sigma)
+
+    def _setup(self, cfg: SchedulerConfig, model: BatchTimeModel, sigma: float,
+               max_steps: int) -> None:
+        self.config = cfg
         self.sigma = sigma
         self.max_steps = max_steps
-        cfg = snapshot.config
         self._cap = cfg.chunk_cap
         self._budget = cfg.max_num_batched_tokens
         self._spare = cfg.watermark_blocks  # the probe is admitted while others run
         self._full = cfg.scheduler_reserve_full_isl
         self._bs = cfg.block_size
-        self._model = snapshot.model
+        self._model = model
         # with prefix caching the base borrows the engine's cache and keeps its changes between
         # calls (a lease on the pool: see block_pool_kernel); if another replay or the engine took
         # the cache back meanwhile, it is replayed from the snapshot again. Its key events tell
         # when a probe's blocks were cached (see _hits)
         self._caching = cfg.enable_prefix_caching
-        self._state = None if self._caching else _state(snapshot, sigma)
         self._token = next(_TOKENS)
         self._gen = -1  # the log's generation that holds the lease
         self._events: tuple[np.ndarray, ...] | None = None  # see events_by_key
@@ -371,20 +389,11 @@ class Forecaster:
             target = max(target, 2 * int(self._room[0]))
         state = self._state
         if self._caching and (state is None or not holds(state[12], self._token, self._gen)):
-            state = self._state = _state(self.snapshot, self.sigma)  # from the snapshot again
+            state = self._state = self._fresh_state()  # from the snapshot again
             self._n = 0
             self._room[:] = 0
         try:
-            while True:
-                code, n, _ = kn.run_base(*state, self._rec, self._cum, self._rec_t, self._n,
-                                         self._room, target, self.max_steps)
-                self._n = n
-                if code != kn.FULL:
-                    break
-                grow = self._rec.shape[0]
-                self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
-                self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
-                self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
+            code = self._record(state, target)
         except BaseException:
             if self._caching:
                 _give_back(state)
@@ -394,12 +403,32 @@ class Forecaster:
             keys, stamps, signs, index, ok = events_by_key(state[12])
             self._events = (keys, stamps, signs, index) if ok else None
             self._gen = lease(state[12], self._token)
+        self._ended(code)
+        return self._n > n0
+
+    def _record(self, state: tuple, target: int) -> int:
+        """Step the base on and record it until its room reaches ``target`` (growing the
+        record as needed); returns run_base's code."""
+        while True:
+            code, n, _ = kn.run_base(*state, self._rec, self._cum, self._rec_t, self._n,
+                                     self._room, target, self.max_steps)
+            self._n = n
+            if code != kn.FULL:
+                return code
+            self._grow_record()
+
+    def _grow_record(self) -> None:
+        grow = self._rec.shape[0]
+        self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
+        self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
+        self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
+
+    def _ended(self, code: int) -> None:
         if code != kn.REACHED:
             # Idle, or the base cannot go on (KV livelock, step cap): a probe that needs more
             # than what was recorded runs alone after idle, or is replayed exactly.
             self._done = True
             self._failed = code != kn.IDLE
-        return n > n0
 
     # -- probes ---------------------------------------------------------------------------------
 
@@ -414,7 +443,7 @@ class Forecaster:
 
     def _ttft(self, prompt_tokens: int,
               prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
-        _check_probe(self.snapshot.config, prompt_tokens, None, "first_token")
+        _check_probe(self.config, prompt_tokens, None, "first_token")
         p = int(prompt_tokens)
         cap = self._cap
         bs = self._bs

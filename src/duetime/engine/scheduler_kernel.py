@@ -104,23 +104,15 @@ NO_MODEL = 8    # nothing scheduled (asynchronously: a step that only applies ou
 
 
 @njit(cache=True, nogil=True)
-def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift, num_blocks,
-            sigma, time):  # pragma: no cover - jit
-    """Replay state for a snapshot: running rows, then waiting rows, then one spare row (for a
-    probe). Stop lengths come from the predictions (:func:`stop_length`); each running request
-    holds the blocks of its computed tokens; one with all its tokens computed has its next
-    token in flight (asynchronous scheduling: the snapshot was taken between a step and the
-    application of its outputs).
-
-    Returns (req, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests hold
-    more blocks than the instance has.
-    """
+def fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
+                w_out, w_pred, bs, shift, num_blocks, sigma, time):  # pragma: no cover - jit
+    """:func:`prepare`'s state written into given arrays with room for its ``n`` rows (a live
+    forecaster's kept buffers); what lies past them is left as it was (the kernel reads rows
+    only through ``run`` and the ring ``wq``)."""
     n_run = r_prompt.shape[0]
     n_wait = w_prompt.shape[0]
     n = n_run + n_wait + 1
-    req = np.zeros((n, REQ_COLUMNS), dtype=np.int64)
-    run = np.zeros(n, dtype=np.int64)
-    wq = np.zeros(n, dtype=np.int64)
+    req[:n] = 0
     used = 0
     ninfl = 0
     for i in range(n_run):
@@ -140,15 +132,78 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
         req[n_run + i, STOP] = stop_length(w_pred[i], w_out[i], sigma)
         wq[i] = n_run + i
     wq[n_wait] = n - 1
-    stamps = np.full((n, 2), np.nan)
-    st = np.zeros(ST_SIZE, dtype=np.int64)
+    stamps[:n] = np.nan
+    st[:] = 0
     st[LONE] = -1
     st[FREE] = num_blocks - used
     st[NRUN] = n_run
     st[WC] = n_wait
     st[NINFL] = ninfl
-    clock = np.full(1, time)
+    clock[0] = time
+
+
+@njit(cache=True, nogil=True)
+def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift, num_blocks,
+            sigma, time):  # pragma: no cover - jit
+    """Replay state for a snapshot: running rows, then waiting rows, then one spare row (for a
+    probe). Stop lengths come from the predictions (:func:`stop_length`); each running request
+    holds the blocks of its computed tokens; one with all its tokens computed has its next
+    token in flight (asynchronous scheduling: the snapshot was taken between a step and the
+    application of its outputs).
+
+    Returns (req, stamps, run, wq, st, clock); ``st[FREE] < 0`` if the running requests hold
+    more blocks than the instance has.
+    """
+    n = r_prompt.shape[0] + w_prompt.shape[0] + 1
+    req = np.empty((n, REQ_COLUMNS), dtype=np.int64)
+    stamps = np.empty((n, 2))
+    run = np.zeros(n, dtype=np.int64)
+    wq = np.zeros(n, dtype=np.int64)
+    st = np.empty(ST_SIZE, dtype=np.int64)
+    clock = np.empty(1)
+    fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
+                w_out, w_pred, bs, shift, num_blocks, sigma, time)
     return req, stamps, run, wq, st, clock
+
+
+@njit(cache=True, nogil=True)
+def live_base(e_req, e_pred, e_run, e_wq, e_st, sigma, req, stamps, run, wq, st, clock, cfg, w,
+              rec, cum, rec_t, room, target, max_steps):  # pragma: no cover - jit
+    """A live engine's state (its arrays ``e_*``; ``e_pred``: the predicted output lengths by
+    row) read into a forecaster's replay arrays as :func:`prepare` makes them from its snapshot
+    (the running rows in order, then the waiting queue from its head), and its base recorded
+    from the start by :func:`run_base` (without prefix caching). Returns run_base's (code,
+    recorded count, detail), or (``FULL``, -1, rows needed) when the replay arrays are too
+    small."""
+    nrun = e_st[NRUN]
+    nw = e_st[WC]
+    if nrun + nw + 1 > req.shape[0]:
+        return FULL, -1, nrun + nw + 1
+    n_q = e_wq.shape[0]
+    wh = e_st[WH]
+    r_prompt = np.empty(nrun, dtype=np.int64)
+    r_comp = np.empty(nrun, dtype=np.int64)
+    r_out = np.empty(nrun, dtype=np.int64)
+    r_pred = np.empty(nrun, dtype=np.int64)
+    for i in range(nrun):
+        r = e_run[i]
+        r_prompt[i] = e_req[r, PROMPT]
+        r_comp[i] = e_req[r, COMP]
+        r_out[i] = e_req[r, OUTPUT]
+        r_pred[i] = e_pred[r]
+    w_prompt = np.empty(nw, dtype=np.int64)
+    w_out = np.empty(nw, dtype=np.int64)
+    w_pred = np.empty(nw, dtype=np.int64)
+    for i in range(nw):
+        r = e_wq[(wh + i) % n_q]
+        w_prompt[i] = e_req[r, PROMPT]
+        w_out[i] = e_req[r, OUTPUT]
+        w_pred[i] = e_pred[r]
+    fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
+                w_out, w_pred, cfg[BS], cfg[SHIFT], cfg[NBLOCKS], sigma, 0.0)
+    room[:] = 0
+    return run_base(req, stamps, run, wq, st, clock, cfg, w, None, None, None, None, None, rec,
+                    cum, rec_t, 0, room, target, max_steps)
 
 
 @njit(cache=True, nogil=True)

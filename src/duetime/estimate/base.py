@@ -8,6 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
+from duetime.engine.forecasting import Forecaster, forecaster
 from duetime.engine.snapshot import Snapshot
 
 
@@ -73,6 +74,14 @@ class InstanceView(Protocol):
         ...
 
     def snapshot(self) -> Snapshot: ...
+
+
+def forecaster_of(view: InstanceView) -> Forecaster:
+    """The forecaster of the view's current state: the view's own (a ``forecaster()``
+    method: one its engine keeps across decisions, :mod:`duetime.engine.live_forecast`) where
+    it has one, else its snapshot's. Either answers as ``forecast(view.snapshot(), ...)``."""
+    own = getattr(view, "forecaster", None)
+    return own() if own is not None else forecaster(view.snapshot())
 
 
 # a request's prompt block keys for a block size (see RoutingRequest.prompt_hashes)

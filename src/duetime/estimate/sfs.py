@@ -6,18 +6,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from duetime.engine.forecasting import ForecastError, forecast
-from duetime.engine.snapshot import Snapshot
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.forecasting import Forecaster, ForecastError, forecast
 from duetime.engine.wait_estimate import LoadBoard
-from duetime.estimate.base import InstanceView, PromptHashes, with_gateway
+from duetime.estimate.base import InstanceView, PromptHashes, forecaster_of, with_gateway
 from duetime.estimate.correction import correction_factor
 
 
-def _keys(snap: Snapshot, hashes: PromptHashes | None) -> Sequence[int] | None:
+def _keys(config: SchedulerConfig, hashes: PromptHashes | None) -> Sequence[int] | None:
     """The prompt's block keys at the instance's block size, if it caches prefixes."""
-    if hashes is None or not snap.config.enable_prefix_caching:
+    if hashes is None or not config.enable_prefix_caching:
         return None
-    return hashes(snap.config.block_size)
+    return hashes(config.block_size)
 
 
 def _board_rows(views: Sequence[InstanceView]) -> tuple[LoadBoard | None, np.ndarray]:
@@ -32,17 +32,17 @@ def _board_rows(views: Sequence[InstanceView]) -> tuple[LoadBoard | None, np.nda
     return board, rows
 
 
-def frontend_delay(view: InstanceView, snap: Snapshot, now: float) -> float:
+def frontend_delay(view: InstanceView, fc: Forecaster, now: float) -> float:
     """What the view's serving frontend (a ``frontend`` attribute:
     :class:`~duetime.engine.frontend.FrontendModel`; none, nothing) adds to a request sent
     ``now`` beyond its own work: its server's backlog (``frontend_wait_s(now)`` where the view
     tracks one) and the chunks of the streams in its first token's step (the running and
-    waiting requests, up to ``max_num_seqs``)."""
+    waiting requests of the forecast's state, up to ``max_num_seqs``)."""
     fm = getattr(view, "frontend", None)
     if fm is None:
         return 0.0
     wait = getattr(view, "frontend_wait_s", None)
-    streams = min(len(snap.running_table) + len(snap.waiting_table), snap.config.max_num_seqs)
+    streams = min(fc.streams, fc.config.max_num_seqs)
     return fm.delay_s(0.0 if wait is None else wait(now), streams)
 
 
@@ -61,14 +61,13 @@ class SfsEstimator:
         online correction (``ttft_correction``, :mod:`duetime.estimate.correction`) scales the
         instance's part by its factor; a gateway's own delay is a floor under it
         (:func:`~duetime.estimate.base.with_gateway`)."""
-        snap = view.snapshot()
+        fc = forecaster_of(view)
         try:
-            est = forecast(snap, prompt_tokens,
-                           prompt_hashes=_keys(snap, hashes)).estimate_s
+            est = fc.ttft(prompt_tokens, _keys(fc.config, hashes)).estimate_s
         except ForecastError:
             return float("inf")
-        return with_gateway(view, (est + (snap.time - now) + view.request_overhead_s
-                                   + frontend_delay(view, snap, now)) * correction_factor(view))
+        return with_gateway(view, (est + (fc.time - now) + view.request_overhead_s
+                                   + frontend_delay(view, fc, now)) * correction_factor(view))
 
     def ttft_lower_bound(self, view: InstanceView, prompt_tokens: int, now: float) -> float:
         """A bound :meth:`ttft` cannot go below, without a forecast: from the view's
@@ -106,6 +105,7 @@ class SfsEstimator:
         snap = view.snapshot()
         try:
             return forecast(snap, prompt_tokens, output_tokens, until="finish",
-                            prompt_hashes=_keys(snap, hashes)).estimate_s + (snap.time - now)
+                            prompt_hashes=_keys(snap.config, hashes)).estimate_s + (
+                                snap.time - now)
         except ForecastError:
             return float("inf")

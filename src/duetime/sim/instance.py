@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from duetime.engine.engine import Engine
+from duetime.engine.forecasting import Forecaster
 from duetime.engine.frontend import FrontedEngine, Frontend, FrontendModel
 from duetime.engine.snapshot import Snapshot
 from duetime.engine.spec import InstanceSpec
@@ -140,6 +141,12 @@ class SimInstance:
     def snapshot(self) -> Snapshot:
         self.sync()
         return self.engine.snapshot()
+
+    def forecaster(self) -> Forecaster:
+        """The engine's forecaster of its state at ``now`` (kept across decisions:
+        :meth:`duetime.engine.engine.Engine.forecaster`)."""
+        self.sync()
+        return self.engine.forecaster()
 
     def first_token_floor(self, prompt_tokens: int) -> float:
         """See :meth:`duetime.engine.engine.Engine.first_token_floor` (what a router may

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from duetime.engine.config import SchedulerConfig
+from duetime.engine.forecasting import Forecaster, forecaster
 from duetime.engine.frontend import FrontendModel
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import GATEWAY_TIE, InstanceStats
@@ -242,6 +243,14 @@ class InstanceState:
         if self._published_fresh(now):
             return self.published.merged(now, self.ledger)
         return self.shadow.snapshot()
+
+    def forecaster(self) -> Forecaster:
+        """The forecaster of :meth:`snapshot`'s state: the published snapshot's while fresh,
+        else the one the shadow replica's engine keeps across decisions."""
+        now = time.monotonic()
+        if self._published_fresh(now):
+            return forecaster(self.published.merged(now, self.ledger))
+        return self.shadow.engine.forecaster()
 
     @property
     def num_running(self) -> int:

@@ -1,0 +1,133 @@
+"""The forecaster a live engine keeps (engine/live_forecast.py) answers exactly as a fresh
+forecast of the engine's snapshot, through any sequence of the engine's changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from duetime.engine import Engine, Sfs6
+from duetime.engine.config import SchedulerConfig
+from duetime.engine.forecasting import Forecaster, ForecastError, forecast
+from duetime.engine.live_forecast import LiveForecaster
+
+MODEL = Sfs6(c0=0.005, cp=2e-5, cpsq=5e-10, cd=2.5e-5, cs=4e-8, css=2e-13)
+SLOWER = Sfs6(c0=0.006, cp=3e-5, cpsq=5e-10, cd=3e-5, cs=4e-8, css=2e-13)
+
+CONFIGS = {
+    # tight KV: the replays preempt; few seats: probes wait for seats
+    "tight": SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=2048,
+                             block_size=16, num_gpu_blocks=90),
+    "chunked": SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16,
+                               max_model_len=4096, block_size=16, num_gpu_blocks=2000,
+                               long_prefill_token_threshold=128,
+                               scheduler_reserve_full_isl=False),
+    "ample": SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=8192,
+                             block_size=16, num_gpu_blocks=20_000),
+}
+
+
+def _same(eng: Engine, prompts: list[int]) -> None:
+    """The engine's forecaster and a fresh forecast of its snapshot agree on every probe."""
+    fc = eng.forecaster()
+    snap = eng.snapshot()
+    assert fc.time == snap.time
+    assert fc.streams == len(snap.running_table) + len(snap.waiting_table)
+    for p in prompts:
+        try:
+            want = forecast(snap, p)
+        except ForecastError as e:
+            with pytest.raises(ForecastError, match=str(e)[:30]):
+                fc.ttft(p)
+            continue
+        got = fc.ttft(p)
+        assert (got.estimate_s, got.steps, got.reason) == (want.estimate_s, want.steps,
+                                                           want.reason), p
+        assert math.isfinite(got.estimate_s) or got.reason
+
+
+def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
+    """``n`` random changes, each followed by probes (steps, arrivals, ends, aborts, observed
+    outputs, a new model, clock moves, compaction)."""
+    live: list[str] = []
+    cfg = eng.config
+    max_len = min(cfg.max_model_len, cfg.usable_blocks * cfg.block_size)  # (else it is stuck)
+    for k in range(n):
+        u = rng.random()
+        if u < 0.35:
+            rid = f"r{k}"
+            prompt = rng.randint(1, min(1500, max_len - 2))
+            stop = rng.randint(1, min(200, max_len - prompt))
+            pred = max(1, int(stop * rng.uniform(0.5, 1.5)))
+            eng.add(rid, prompt, stop, predicted_output_tokens=pred)
+            live.append(rid)
+        elif u < 0.7:
+            for _ in range(rng.randint(1, 4)):
+                eng.step()
+        elif u < 0.78 and live:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        elif u < 0.86 and live:
+            rid = rng.choice(live)
+            out = eng.request(rid)["output_tokens"] if eng.has(rid) else 0
+            eng.observe(rid, int(out) + rng.randint(1, 3))
+        elif u < 0.9 and live:
+            rid = rng.choice(live)
+            if eng.has(rid):
+                eng.end(rid, int(eng.request(rid)["output_tokens"]) + 1)
+        elif u < 0.93:
+            eng.set_model(SLOWER if eng.model is MODEL else MODEL)
+        elif u < 0.96:
+            eng.set_clock(eng.time + rng.uniform(0.0, 0.05))
+        else:
+            eng.compact()
+        live = [r for r in live if eng.has(r)]
+        # two probes per change, one of them after the other (a kept base's later probe)
+        _same(eng, [rng.randint(1, cfg.max_model_len + 100), rng.choice((1, 17, 300, 1000))])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", range(3))
+def test_live_forecasts_equal_fresh_ones_through_random_changes(name, asynchronous, seed):
+
+    cfg = dataclasses.replace(CONFIGS[name], async_scheduling=asynchronous)
+    eng = Engine(cfg, MODEL, seed=seed)
+    _random_changes(eng, random.Random(seed * 7 + len(name)), 120)
+    fc = eng.forecaster()
+    assert isinstance(fc, LiveForecaster)
+    assert fc is eng.forecaster()  # kept
+    assert 0 < fc.rebuilds <= 240
+
+
+def test_a_revision_is_replayed_once():
+    eng = Engine(CONFIGS["ample"], MODEL)
+    for i in range(30):
+        eng.add(f"r{i}", 500 + 10 * i, 50, predicted_output_tokens=40)
+    fc = eng.forecaster()
+    assert fc.rebuilds == 0  # (read from the engine when a probe first needs it)
+    a = fc.ttft(100)
+    assert fc.rebuilds == 1
+    b = eng.forecaster().ttft(3000)
+    assert fc.rebuilds == 1  # a further probe of the same state: the same base
+    eng.step()
+    c = eng.forecaster().ttft(100)
+    assert fc.rebuilds == 2
+    assert (a.estimate_s, b.estimate_s) != (c.estimate_s, c.estimate_s)
+
+
+def test_with_prefix_caching_the_engine_forecasts_from_its_snapshot():
+    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096,
+                          block_size=16, num_gpu_blocks=400, enable_prefix_caching=True)
+    eng = Engine(cfg, MODEL)
+    eng.add("a", 100, 5, hashes=list(range(1, 7)))
+    eng.step()
+    fc = eng.forecaster()
+    assert type(fc) is Forecaster and fc.snapshot is eng.snapshot()
+    keys = list(range(1, 7))
+    assert fc.ttft(100, keys).estimate_s == forecast(eng.snapshot(), 100,
+                                                     prompt_hashes=keys).estimate_s
+    with pytest.raises(ValueError, match="without prefix caching"):
+        LiveForecaster(eng)
