@@ -277,7 +277,7 @@ def test_stepping_only_busy_engines_changes_nothing(monkeypatch, policy: str,
     runs = []
     for every in (False, True):
         if every:
-            monkeypatch.setattr(cluster, "_due", lambda busy, t: range(len(busy)))
+            monkeypatch.setattr(cluster, "_due", lambda busy, t: np.arange(len(busy)))
         res = ClusterSim(prof, make_policy(policy), noise=noise).run(reqs)
         runs.append((res.instance, res.first_token, res.finish))
     for a, b in zip(*runs, strict=True):

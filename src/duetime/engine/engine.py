@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,6 +182,7 @@ class Engine:
         self._revision = 0
         self._snap: tuple[tuple[int, int, float], Snapshot] | None = None
         self._live: LiveForecaster | None = None
+        self._layout_watchers: list[Callable[[], None]] = []
         self._load_row: np.ndarray | None = None
 
     # -- state ----------------------------------------------------------------------------------
@@ -438,6 +439,7 @@ class Engine:
         self._wq[:len(waiting)] = waiting
         self._st[kn.WH] = 0
         self._work = np.zeros((2, 2 * old), dtype=np.int64)
+        self._relaid()
 
     def _changed(self) -> None:
         """Requests or their state changed from outside the steps: a new revision, and the
@@ -451,6 +453,24 @@ class Engine:
         :class:`~duetime.engine.wait_estimate.LoadBoard`), refreshed at every change."""
         self._load_row = row
         self._publish()
+        self._relaid()
+
+    def watch_layout(self, changed: Callable[[], None]) -> None:
+        """Call ``changed`` whenever :meth:`kernel_arrays` would return other arrays (they
+        grew, were compacted, the model or the load row changed)."""
+        self._layout_watchers.append(changed)
+
+    def kernel_arrays(self) -> tuple:
+        """The arrays the compiled scheduler steps, for a caller that steps many engines at
+        once (:class:`~duetime.engine.batch_stepper.BatchStepper`; engines without prefix
+        caching): req, stamps, run, wq, st, clock, cfg, weights, work, out, the predicted
+        lengths, the load row (or ``None``). Valid until :meth:`watch_layout` says not."""
+        return (self._req, self._stamps, self._run, self._wq, self._st, self._clock,
+                self._cfg, self._w, self._work, self._out, self._pred, self._load_row)
+
+    def _relaid(self) -> None:
+        for changed in self._layout_watchers:
+            changed()
 
     def _publish(self) -> None:
         if self._load_row is not None:
@@ -501,6 +521,7 @@ class Engine:
         self._st[kn.WH] = 0
         self._work = np.zeros((2, size), dtype=np.int64)
         self._changed()
+        self._relaid()
 
     def step(self, *, tokens: bool = False) -> StepEvents | None:
         """Run one scheduler step; ``None`` when there is nothing to do. ``tokens``: also
@@ -741,6 +762,7 @@ class Engine:
         self._w = np.array(model.weights, dtype=np.float64)
         self._floor_w = self._floor_weights()
         self._changed()
+        self._relaid()
 
     def cache_store(self, hashes: Sequence[int] | np.ndarray) -> int:
         """Prefix caching: the instance reports these block keys cached (vLLM's KV event
