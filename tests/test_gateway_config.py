@@ -180,10 +180,11 @@ def test_overhead_and_tokenizer_resolve(tmp_path):
     with_overhead = InstanceState(small, pool, GatewayMetrics(), MemoryStore(), now)
     without = InstanceState(plain.instances[0], plain, GatewayMetrics(), MemoryStore(), now)
     est = SfsEstimator()
-    est.ttft(without, 100, now)  # (compiles the forecast on a first run: not timed below)
-    now = time.monotonic()
+    est.ttft(without, 100, now)  # (compiles the forecast on a first run)
+    # both asked as of the instants their replicas were made (µs apart): however long the
+    # first call took, neither forecast is past its instance's clock
     got = est.ttft(with_overhead, 100, now) - est.ttft(without, 100, now)
-    assert got == pytest.approx(0.0125, abs=1e-3)  # (the two snapshots are µs apart)
+    assert got == pytest.approx(0.0125, abs=1e-3)
 
 
 def test_the_frontend_s_queue_enters_sfs_s_forecast(tmp_path):
@@ -271,3 +272,39 @@ def test_the_gateway_counts_prompt_tokens_with_the_pools_tokenizer(tmp_path):
                                {"role": "user", "content": [{"type": "text",
                                                              "text": "hello"}]}]}, True) \
         == 3 + (4 + 100) + (4 + 1)
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(tmp_path, monkeypatch):
+    """A prompt estimated at OFF_LOOP_TOKENS or more is counted on a worker thread (the event
+    loop goes on), a short one inline; both as count_tokens says."""
+    import asyncio
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from duetime.gateway.app import Gateway
+    from duetime.gateway.intake import request as intake
+    from duetime.gateway.intake.request import KeyCheck
+    from duetime.web.requests import parse_completion
+
+    tok = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    gw = Gateway(load_pool(write(tmp_path, GOOD + "tokenizer: tokenizer.json\n")))
+    threads: list[bool] = []
+    real = asyncio.to_thread
+
+    async def to_thread(fn, *args, **kw):
+        threads.append(kw.get("release", False))
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(intake.asyncio, "to_thread", to_thread)
+    for words, off in (("hello world " * 20, False),
+                       ("hello world " * (2 * intake.OFF_LOOP_TOKENS), True)):
+        body = json.dumps({"model": "auto", "prompt": words, "max_tokens": 4}).encode()
+        want = gw.intake.count_tokens(parse_completion(body, chat=False))
+        ctx = asyncio.run(gw.intake.take(body, {"type": "http", "headers": []}, arrival=0.0,
+                                         chat=False, keys=KeyCheck.NONE))
+        assert ctx.req.prompt_tokens == want == len(words.split())
+        assert threads == ([True] if off else [])
+

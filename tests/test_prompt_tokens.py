@@ -229,3 +229,40 @@ def test_kept_chains_give_the_keys_a_fresh_chain_gives() -> None:
     assert kept.hits - hits > 400
     # a prompt whose first block differs from every kept one hashes from scratch
     assert token_block_keys([1] * 64, 16) == fresh([1] * 64, 16, None)
+
+
+def test_prompts_encoded_with_the_gil_released_give_the_same_ids_on_many_threads(tmp_path):
+    """``release=True`` (a long prompt encoded off the gateway's event loop) gives the ids
+    the plain encoding gives, with several threads encoding returning conversations at once
+    (their kept prefixes shared)."""
+    import random
+    import threading
+
+    folder, tok = make_folder(tmp_path / "m", bos=True)
+    pt = PromptTokenizer(folder)
+    pieces = ["the", " quick", " fox", "\n", "é", "<|im_end|>", "<|im_start|>", "hello world"]
+    failures: list[str] = []
+
+    def talk(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(15):
+            messages = [{"role": "system", "content": "hello world " * rng.randint(0, 40)}]
+            for _ in range(4):
+                messages.append({"role": "user", "content": "".join(
+                    rng.choice(pieces) for _ in range(rng.randint(1, 60)))})
+                want = tok.encode(pt.render({"messages": messages}),
+                                  add_special_tokens=False).ids
+                if pt.ids(chat(messages=messages), release=rng.random() < 0.7) != want:
+                    failures.append(f"{seed}: {messages}")
+                messages.append({"role": "assistant", "content": "dog " * rng.randint(0, 9)})
+
+    threads = [threading.Thread(target=talk, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:1]
+    assert pt.prefixes.hits > 0
+    words = "hello world " * 30
+    assert pt.ids(parse_completion(json.dumps({"prompt": words}).encode(), chat=False),
+                  release=True) == tok.encode(words).ids

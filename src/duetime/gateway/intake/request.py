@@ -20,6 +20,7 @@ Every step raises :class:`~duetime.web.errors.ApiError` on bad input (OpenAI's e
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 import json
@@ -42,6 +43,11 @@ from duetime.web.errors import ApiError
 from duetime.web.prefix_keys import prompt_block_keys
 from duetime.web.prompt_tokens import PromptTokenizer
 from duetime.web.requests import CompletionRequest, parse_completion, prompt_texts
+
+# Prompts estimated at this many tokens or more are tokenized on a worker thread, the event
+# loop going on meanwhile: a new 3,700-token conversation took 2.3-2.4 ms to render and encode
+# here (benchmarks/gateway_overhead.py's tokenizer table), a hand-off to a thread ~0.1 ms.
+OFF_LOOP_TOKENS = 2048
 
 
 class KeyCheck(enum.Enum):
@@ -124,7 +130,10 @@ class Intake:
         ``allowed``: which instances the caller allows (None: all)."""
         key = self.auth.identify(scope) if keys is not KeyCheck.NONE else None
         req = parse_completion(raw, chat=_is_chat(raw) if chat is None else chat)
-        req.prompt_tokens = self.count_tokens(req)
+        if self.tokenizer is not None and req.prompt_tokens >= OFF_LOOP_TOKENS:
+            req.prompt_tokens = await asyncio.to_thread(self.count_tokens, req, release=True)
+        else:
+            req.prompt_tokens = self.count_tokens(req)
         grant = NO_GRANT
         if keys is KeyCheck.ADMIT:
             grant = await self.auth.admit(key, req.model, req.prompt_tokens)
@@ -156,14 +165,15 @@ class Intake:
             cands, predicted, predicted if req.max_tokens else 1 << 30, quality, success,
             lengths, KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size)))
 
-    def count_tokens(self, req: CompletionRequest) -> int:
+    def count_tokens(self, req: CompletionRequest, *, release: bool = False) -> int:
         """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in
         ``req.token_ids`` for the block keys; :class:`PromptTokenizer`), where it can make
-        them; else the estimate (:mod:`duetime.web.tokens`)."""
+        them; else the estimate (:mod:`duetime.web.tokens`). ``release``: on a worker
+        thread, letting the event loop run while the text is encoded."""
         tok = self.tokenizer
         if tok is None:
             return req.prompt_tokens
-        ids = tok.ids(req)
+        ids = tok.ids(req, release=release)
         if ids is None:  # (no template, or one the request defeats): contents counted, the
             if req.chat:  # template's markers estimated as in the emulator
                 return 3 + sum(4 + (len(tok.encode(t, special=False)) if t else 0)
