@@ -3,24 +3,25 @@ across decisions, with no snapshot in between.
 
 A :class:`~duetime.engine.forecasting.Forecaster` answers probes of one state from one base
 replay. A router asks about the same instances over and over while they change, and what it
-pays per decision is mostly fixed cost around a short replay: in the simulator 98% of the
-forecasts find the queue ahead drained at the base's first step and record one step
-(``benchmarks/forecast_speed.py``'s live table says what that costs). So the engine keeps one
-forecaster (:meth:`duetime.engine.engine.Engine.forecaster`) that reuses its base while the
-engine's revision does not change and, after any change (a step, an arrival, an end, a new
-model), reads the replay arrays straight from the engine's (one compiled call,
-:func:`~duetime.engine.scheduler_kernel.prepare_live`): the same arrays a snapshot of that
-state gives, so every forecast equals ``forecast(engine.snapshot(), ...)`` (tested on random
+pays per decision is mostly fixed cost around a short replay: in the simulator 97-99% of the
+forecasts find the queue ahead drained at the base's first step, and the base records one step
+(median; ``benchmarks/forecast_reuse.py``). So the engine keeps one forecaster
+(:meth:`duetime.engine.engine.Engine.forecaster`) that reuses its base while the engine's
+revision does not change and, after any change (a step, an arrival, an end, a new model), reads
+the replay arrays straight from the engine's and records the base in one compiled call
+(:func:`~duetime.engine.scheduler_kernel.live_base`): the same arrays a snapshot of that state
+gives, so every forecast equals ``forecast(engine.snapshot(), ...)`` (tested on random
 sequences of engine changes).
 
 Why not shift or repair the base instead: a base from before the change is the new one only
 when nothing but steps happened and each went as the replay predicted (no finish, no
-preemption, no request at or past its predicted length). Measured in the simulator
-(``sfs``, the paper's workload): at 3 instances 6% of the forecasts find their instance so,
-at 90 instances 0.2%; the usual change is the one arrival the router sent there, and the
-base's first step is then already where that arrival would be admitted. With prefix caching
-the engine's forecaster is still the snapshot's (the replay borrows the engine's cache:
-:mod:`duetime.engine.prefix_state`).
+preemption, no request at or past its predicted length). Counted by
+``benchmarks/forecast_reuse.py`` (``sfs``, the paper's workload, 6,000 requests): at 3
+instances 7% of the forecasts find their instance changed so, at 90 instances 0.2%; the usual
+change is the one arrival the router sent there (a median of no step since the instance's last
+forecast), and the base's first step is then already where that arrival would be admitted.
+With prefix caching the engine's forecaster is still the snapshot's (the replay borrows the
+engine's cache: :mod:`duetime.engine.prefix_state`).
 """
 
 from __future__ import annotations
