@@ -26,7 +26,6 @@ engine's cache: :mod:`duetime.engine.prefix_state`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -36,10 +35,8 @@ from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.forecasting import (
     DEFAULT_MAX_STEPS,
-    Forecast,
     Forecaster,
     config_array,
-    replay,
     weights_array,
 )
 from duetime.engine.remaining import DEFAULT_SIGMA
@@ -149,8 +146,3 @@ class LiveForecaster(Forecaster):
             code = self._record(self._state, target)
         self._ended(code)
         return self._n > 0
-
-    def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None
-                ) -> Forecast:
-        return replay(self._engine.snapshot(), p, None, "first_token", sigma=self.sigma,
-                      max_steps=self.max_steps, prompt_hashes=prompt_hashes)
