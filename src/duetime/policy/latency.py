@@ -27,6 +27,7 @@ from duetime.policy.registry import (
     STATS,
     Param,
 )
+from duetime.policy.tiers import least_and_ties, tier_runs
 
 UTILITY_INPUTS = frozenset({QUALITY, OUTPUT_LENGTH})
 
@@ -109,17 +110,15 @@ class Feasible(Policy):
         u = utility(req, cands, self.lam)
         forecasts = np.full(len(cands), np.inf)
         bounds = np.full(len(cands), -np.inf)  # lower bounds of forecasts not made
-        order = np.argsort(-u, kind="stable")
-        # tiers: runs of equal utility in that order
-        edges = np.flatnonzero(np.diff(u[order])).tolist()
-        starts = [0, *(e + 1 for e in edges)]
-        ends = [*(e + 1 for e in edges), len(order)]
-        for k, j in zip(starts, ends, strict=True):
+        # best utility first; tiers: runs of equal utility in that order
+        order, ends = tier_runs(u)
+        k = 0
+        for j in ends.tolist():
             best = (self._first_fit(req, cands, int(order[k]), forecasts, now) if j - k == 1
-                    else self._least_fit(req, cands, order[k:j].tolist(), forecasts, bounds,
-                                         now))
+                    else self._least_fit(req, cands, order[k:j], forecasts, bounds, now))
             if best >= 0:
                 return Decision(best, float(forecasts[best]))
+            k = j
         i = int(np.argmin(forecasts))
         # nothing meets the target: the least forecast, the skipped ones included where
         # their bound could beat it
@@ -159,7 +158,7 @@ class Feasible(Policy):
         forecasts[i] = self._forecast(req, cands[i], now)
         return i if forecasts[i] <= req.ttft_target else -1
 
-    def _least_fit(self, req: RoutingRequest, cands: list[Candidate], tier: list[int],
+    def _least_fit(self, req: RoutingRequest, cands: list[Candidate], tier: np.ndarray,
                    forecasts: np.ndarray, bounds: np.ndarray, now: float) -> int:
         """The least forecast meeting the target in a tier of replicas (-1 if none). With
         ``replica_sample`` 0 the candidates are forecast in the order of a cheap lower bound
@@ -191,7 +190,7 @@ class Feasible(Policy):
         return best
 
 
-    def _ranked_fit(self, req: RoutingRequest, cands: list[Candidate], tier: list[int],
+    def _ranked_fit(self, req: RoutingRequest, cands: list[Candidate], tier: np.ndarray,
                     forecasts: np.ndarray, bounds: np.ndarray, now: float) -> int | None:
         """The tier's replica with the least wait estimate stands for the tier: it is taken
         if its forecast meets the target (-1 if not; ``None`` without estimates). The other
@@ -201,7 +200,8 @@ class Feasible(Policy):
         if est is None:
             return None
         bounds[tier] = np.inf  # (none of them is looked at again)
-        i = tier[self._argmax_random(-est)]
+        least, ties = least_and_ties(est)
+        i = int(tier[least if ties == 1 else self._argmax_random(-est)])
         forecasts[i] = f = self._forecast(req, cands[i], now)
         return i if f <= req.ttft_target else -1
 
