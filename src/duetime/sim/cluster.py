@@ -37,7 +37,7 @@ from duetime.policy.registry import INSTANCE_INPUTS, QUALITY, SUCCESS
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
 from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_block_size
 from duetime.sim.fleet import RouterFleet
-from duetime.sim.instance import SimInstance
+from duetime.sim.instance import SimClock, SimInstance
 from duetime.sim.loop import run_clients
 from duetime.workload.profile import WorkloadProfile
 from duetime.workload.requests import RequestSet
@@ -214,8 +214,9 @@ class ClusterSim:
             raise ValueError("the request set was drawn for other models than the profile's")
         noise_seeds = np.random.SeedSequence(self.seed).generate_state(len(self.pairs),
                                                                         np.uint64) >> 2
+        clock = SimClock()  # (every instance's ``now``)
         insts = [SimInstance(name, self.spec(m), noise=self.noise, cache_view=self.cache_view,
-                             seed=int(s), step_scale=self.step_scale)
+                             seed=int(s), step_scale=self.step_scale, clock=clock)
                  for (name, m), s in zip(self.pairs, noise_seeds, strict=True)]
         if getattr(self.policy, "uses_load_board", False):
             board = LoadBoard(len(insts))
@@ -262,9 +263,7 @@ class ClusterSim:
         def dispatch(i: int, t: float) -> None:
             """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``, or
             ``lazy``: the chosen one is stepped to it after the decision)."""
-            if not lazy:
-                for inst in insts:
-                    inst.now = t
+            clock.now = t
             session = None
             if sessions is not None and sessions[i] >= 0:
                 session = str(int(sessions[i]))
@@ -279,7 +278,6 @@ class ClusterSim:
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
             inst = insts[d.index]
-            inst.now = t
             if lazy and inst.busy_until() < t:
                 inst.advance(t)
             for est in self.shadow_estimators:
