@@ -67,6 +67,48 @@ def test_the_board_row_follows_every_change_of_its_engine() -> None:
     assert not board.rows[0].any()  # (the other row untouched)
 
 
+def reference_decode_costs(eng: Engine) -> np.ndarray:
+    """The running decodes' cost over 1..DECODE_STEPS steps, by definition: request by
+    request, step by step, each until its predicted stop."""
+    from duetime.engine.remaining import DEFAULT_SIGMA, stop_length
+    from duetime.engine.wait_estimate import DECODE_STEPS
+
+    w = np.array(eng.model.weights, dtype=float)
+    tab = eng.lookup(eng.running_ids())
+    cost = np.zeros(DECODE_STEPS)
+    for prompt, out, comp, pred in zip(tab.prompt.tolist(), tab.output.tolist(),
+                                       tab.computed.tolist(), tab.predicted.tolist(),
+                                       strict=True):
+        if out < 1 or comp < prompt + out - 1:
+            continue
+        left = stop_length(pred, out, DEFAULT_SIGMA) - out
+        acc = 0.0
+        for s in range(DECODE_STEPS):
+            if s < left:
+                c = comp + s
+                acc += w[1] + w[5] * c + w[6] * (c + 1) + w[7] * (c + 1) ** 2
+            cost[s] += acc
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_decode_costs_are_those_of_every_request_step_by_step(seed: int) -> None:
+    """The summary sums the decodes that outlast its horizon in closed form: the same costs
+    (to rounding) as summing every request's steps."""
+    from duetime.engine.wait_estimate import DEC, DECODE_STEPS
+
+    rng = np.random.default_rng(seed)
+    eng = loaded_engine(rng, SFS6)
+    for _ in range(int(rng.integers(0, 300))):  # on into the decodes, some near their stop
+        if eng.idle:
+            break
+        eng.step()
+    row = np.zeros(ROW_SIZE)
+    eng.publish_load(row)
+    np.testing.assert_allclose(row[DEC:DEC + DECODE_STEPS], reference_decode_costs(eng),
+                               rtol=1e-12, atol=1e-15)
+
+
 @pytest.mark.parametrize("model", ["paper4", "sfs6"])
 def test_an_idle_engines_estimate_is_its_forecast(model: str) -> None:
     """Nothing ahead, a prompt of one chunk: the estimate is the probe's one step, exactly the

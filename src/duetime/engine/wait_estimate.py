@@ -51,6 +51,11 @@ def summarize(req, pred, run, wq, st, clock, cfg, w, row):  # pragma: no cover -
     ndec = 0
     for s in range(DECODE_STEPS):
         row[DEC + s] = 0.0
+    # the decodes that outlast the horizon (most) are summed in closed form below: how many,
+    # and the sums of their lengths and squared lengths
+    n_long = 0
+    s1 = 0
+    s2 = 0
     n = wq.shape[0]
     nrun = st[kn.NRUN]
     for k in range(nrun + st[kn.WC]):
@@ -59,6 +64,11 @@ def summarize(req, pred, run, wq, st, clock, cfg, w, row):  # pragma: no cover -
         if k < nrun and out >= 1 and comp >= prompt + out - 1:  # decoding: one token a step
             ndec += 1
             left = stop_length(pred[r], out, DEFAULT_SIGMA) - out
+            if left >= DECODE_STEPS:
+                n_long += 1
+                s1 += comp
+                s2 += comp * comp
+                continue
             acc = 0.0
             for s in range(DECODE_STEPS):
                 if s >= left:
@@ -75,6 +85,18 @@ def summarize(req, pred, run, wq, st, clock, cfg, w, row):  # pragma: no cover -
         total = comp + todo
         fixed += (w[4] * (todo * comp + todo * (todo + 1) / 2) + w[3] * todo * todo
                   + w[6] * total + w[7] * total * total)
+    if n_long:
+        # step j's cost of a decode at length x = comp + j is a + b x + c x^2, with
+        # a = w1 + w6 + w7, b = w5 + w6 + 2 w7, c = w7 (the per-request sums above, summed
+        # over the requests first)
+        a = w[1] + w[6] + w[7]
+        b = w[5] + w[6] + 2.0 * w[7]
+        f1, f2 = float(s1), float(s2)
+        acc = 0.0
+        for j in range(DECODE_STEPS):
+            acc += (n_long * a + b * (f1 + n_long * j)
+                    + w[7] * (f2 + 2.0 * j * f1 + n_long * j * j))
+            row[DEC + j] += acc
     row[AHEAD] = ahead
     row[AHEAD_S] = fixed
     row[NDEC] = ndec
