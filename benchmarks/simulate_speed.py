@@ -8,7 +8,10 @@ of each of the paper's three models; the rate scaled with them): the cost per re
 not grow with the pool. Each pool routes ``max(--requests, 60 s of arrivals)`` requests.
 
     python benchmarks/simulate_speed.py [--requests N] [--rate R] [--routers A,B]
-                                        [--pools 1,30,100]
+                                        [--pools 1,30,100] [--split]
+
+``--split`` then times the parts of each pool's request (the decision, stepping the engines,
+handing the request over, the rest), with the calls wrapped in timers.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def main() -> None:
                     "latency-agnostic,throughput,lps")
     ap.add_argument("--pools", default="1,30,100",
                     help="replicas per model of the pool table ('' for none)")
+    ap.add_argument("--split", action="store_true",
+                    help="then where sfs's time per request goes in those pools")
     args = ap.parse_args()
     runner = Runner(load_workload("paper"), seed=0)
     runner.run(Point("sfs", args.rate, 200))  # compile / load the kernels first
@@ -43,6 +48,8 @@ def main() -> None:
 
     if args.pools:
         pools(args.requests, args.rate, [int(r) for r in args.pools.split(",")])
+        if args.split:
+            split(args.requests, args.rate, [int(r) for r in args.pools.split(",")])
 
 
 def pools(requests: int, rate: float, replicas: list[int]) -> None:
@@ -62,6 +69,53 @@ def pools(requests: int, rate: float, replicas: list[int]) -> None:
         print(f"{3 * r:>9} {q:>7.1f} {n:>8} {row['wall_s']:>7.2f} {per:>10.1f} "
               f"{row['simulated_s'] / row['wall_s']:>11.0f} "
               f"{float(np.median(res.overhead_s)) * 1e6:>21.1f} {per / first:>7.2f}x")
+
+
+def split(requests: int, rate: float, replicas: list[int]) -> None:
+    """Where ``sfs``'s time per request goes in the pool table's pools: the decision (the
+    policy's ``choose``), stepping the engines to each arrival (the compiled batch step and
+    one-by-one advances, the run's final drain included), handing the request to its engine,
+    and the rest (building each request, bookkeeping, collecting results).
+    Timed by wrapping those calls, which adds ~0.1-0.2 us a call: the total is a little above
+    the pool table's."""
+    import time
+
+    from duetime.engine.batch_stepper import BatchStepper
+    from duetime.sim.instance import SimInstance
+
+    spent = {"stepping": 0.0, "submit": 0.0}
+
+    def timed(cls: type, name: str, phase: str) -> None:
+        f = getattr(cls, name)
+
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[phase] += time.perf_counter() - t0
+
+        setattr(cls, name, wrapper)
+
+    timed(BatchStepper, "advance", "stepping")
+    timed(SimInstance, "advance", "stepping")
+    timed(SimInstance, "submit", "submit")
+    print()
+    print("where sfs's time per request goes (us; calls wrapped in timers)")
+    print(f"{'instances':>9} {'total':>7} {'decision':>9} {'stepping':>9} {'submit':>7} "
+          f"{'rest':>7}")
+    for r in replicas:
+        runner = Runner(load_workload("paper").with_replicas(r), seed=0)
+        q = rate * r
+        n = max(requests, int(q * 60))
+        for k in spent:
+            spent[k] = 0.0
+        row, res = runner.run(Point("sfs", q, n))
+        total = row["wall_s"] / n * 1e6
+        decision = float(np.sum(res.overhead_s)) / n * 1e6
+        step, submit = spent["stepping"] / n * 1e6, spent["submit"] / n * 1e6
+        print(f"{3 * r:>9} {total:>7.1f} {decision:>9.1f} {step:>9.1f} {submit:>7.1f} "
+              f"{total - decision - step - submit:>7.1f}")
 
 
 if __name__ == "__main__":
