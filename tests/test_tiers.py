@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from duetime.policy.tiers import least_and_ties, tier_runs
+from duetime.policy.base import Candidate, Candidates, RoutingRequest, utility
+from duetime.policy.tiers import least_and_ties, tier_runs, utility_tiers
 
 
 def numpy_tiers(u: np.ndarray) -> tuple[np.ndarray, list[int]]:
@@ -46,3 +47,26 @@ def test_least_and_ties_are_argmin_and_its_count(seed: int) -> None:
 
 def test_a_nan_leaves_the_choice_to_numpy() -> None:
     assert least_and_ties(np.array([0.2, np.nan, 0.1]))[1] == 0
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_utility_tiers_are_the_policy_utility_and_its_tiers(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 100))
+    models = int(rng.integers(1, 5))
+    which = rng.integers(0, models, size=n)  # replicas of a few models: equal utilities
+    prices = rng.uniform(0.0, 2.0, size=(models, 2))[which]
+    quality = rng.uniform(0.0, 1.0, size=models)[which]
+    out = (rng.integers(1, 2000, size=models)[which] if seed % 2
+           else rng.uniform(1.0, 2000.0, size=models)[which])
+    prompt = int(rng.integers(1, 30000))
+    lam = float(rng.choice([0.0, 5e-4, rng.uniform(0, 1e-2)]))
+    u, order, ends = utility_tiers(quality, out, prices, prompt, lam)
+    cands = [Candidate(str(k), "m", float(prices[k, 0]), float(prices[k, 1]), None)
+             for k in range(n)]
+    req = RoutingRequest("r", prompt, quality, out, 1.0)
+    want = utility(req, Candidates(cands), lam)
+    assert u.tobytes() == want.tobytes()  # the same floats, bit for bit
+    want_order, want_ends = numpy_tiers(want)
+    assert order.tolist() == want_order.tolist()
+    assert ends.tolist() == want_ends

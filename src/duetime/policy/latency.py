@@ -15,6 +15,7 @@ from duetime.policy.base import (
     Described,
     Policy,
     RoutingRequest,
+    prices_of,
     utility,
     views_of,
 )
@@ -27,7 +28,7 @@ from duetime.policy.registry import (
     STATS,
     Param,
 )
-from duetime.policy.tiers import least_and_ties, tier_runs
+from duetime.policy.tiers import least_and_ties, tier_runs, utility_tiers
 
 UTILITY_INPUTS = frozenset({QUALITY, OUTPUT_LENGTH})
 
@@ -107,11 +108,15 @@ class Feasible(Policy):
         self.ranked = bool(ranked)
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
-        u = utility(req, cands, self.lam)
+        q, out = req.quality, req.output_tokens
+        # best utility first; tiers: runs of equal utility in that order
+        if isinstance(q, np.ndarray) and isinstance(out, np.ndarray):
+            _, order, ends = utility_tiers(q, out, prices_of(cands), req.prompt_tokens,
+                                           self.lam)
+        else:
+            order, ends = tier_runs(utility(req, cands, self.lam))
         forecasts = np.full(len(cands), np.inf)
         bounds = np.full(len(cands), -np.inf)  # lower bounds of forecasts not made
-        # best utility first; tiers: runs of equal utility in that order
-        order, ends = tier_runs(u)
         k = 0
         for j in ends.tolist():
             best = (self._first_fit(req, cands, int(order[k]), forecasts, now) if j - k == 1

@@ -51,3 +51,17 @@ def least_and_ties(x):  # pragma: no cover - jit
         elif x[k] == x[best]:
             ties += 1
     return best, ties
+
+
+@njit(cache=True, nogil=True)
+def utility_tiers(quality, output, prices, prompt, lam):  # pragma: no cover - jit
+    """(u, order, ends): each candidate's utility, as :func:`duetime.policy.base.utility`
+    computes it (``quality - lam * (prices[:, 0] * prompt + prices[:, 1] * output)``, the
+    same operations in the same order: the same floats), and :func:`tier_runs` of it, in one
+    call (the four numpy operations of the utility cost ~3.5 us a decision)."""
+    n = quality.shape[0]
+    u = np.empty(n)
+    for k in range(n):
+        u[k] = quality[k] - lam * (prices[k, 0] * prompt + prices[k, 1] * output[k])
+    order, ends = tier_runs(u)
+    return u, order, ends
