@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from duetime.policy.base import Candidate, Candidates, RoutingRequest, utility
-from duetime.policy.tiers import least_and_ties, tier_runs, utility_tiers
+from duetime.policy.tiers import least_and_ties, tier_runs, utility_tiers, warm_up_tiers
 
 
 def numpy_tiers(u: np.ndarray) -> tuple[np.ndarray, list[int]]:
@@ -70,3 +70,14 @@ def test_utility_tiers_are_the_policy_utility_and_its_tiers(seed: int) -> None:
     want_order, want_ends = numpy_tiers(want)
     assert order.tolist() == want_order.tolist()
     assert ends.tolist() == want_ends
+
+
+def test_the_warm_up_loads_what_the_routers_call() -> None:
+    """A server's first request must not compile these: after the warm-up the kernels hold
+    the signatures of the routers' calls (float quality with integer or float lengths, as the
+    gateway and the simulator build them)."""
+    warm_up_tiers()
+    sigs = {tuple(str(t) for t in sig[:2]) for sig in utility_tiers.signatures}
+    assert ("array(float64, 1d, C)", "array(int64, 1d, C)") in sigs
+    assert ("array(float64, 1d, C)", "array(float64, 1d, C)") in sigs
+    assert tier_runs.signatures and least_and_ties.signatures

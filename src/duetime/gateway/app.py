@@ -55,6 +55,7 @@ from duetime.gateway.state.membership import Change, Membership, Phase
 from duetime.gateway.state.pollers import Pollers
 from duetime.gateway.upstream import Upstream
 from duetime.policy.registry import LOAD, SNAPSHOT
+from duetime.policy.tiers import warm_up_tiers
 from duetime.web.asgi import CompletionEndpoint, FastRoutes
 from duetime.web.errors import exception_handlers
 
@@ -152,6 +153,7 @@ class Gateway:
         if self.upstream is not None:
             return
         warm_up()
+        warm_up_tiers()
         if (warning := self.auth.warning()) is not None:
             log.warning(warning, extra={"fields": {"event": "auth_warning"}})
         t = self.pool.timeouts

@@ -34,6 +34,7 @@ from duetime.engine.warmup import warm_up
 from duetime.estimate.base import Estimator
 from duetime.policy.base import Candidate, Candidates, Policy, RoutingRequest
 from duetime.policy.registry import INSTANCE_INPUTS, QUALITY, SUCCESS
+from duetime.policy.tiers import warm_up_tiers
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
 from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_block_size
 from duetime.sim.fleet import RouterFleet
@@ -203,6 +204,7 @@ class ClusterSim:
         clients that each send their next request when the previous one finishes (the
         requests' own arrival times are then ignored and replaced)."""
         warm_up()  # (the compiled paths loaded before the clock starts)
+        warm_up_tiers()
         batching = len(self.pairs) >= BATCH_AT
         if batching:
             warm_up_stepper()
