@@ -143,3 +143,62 @@ def test_without_retained_history_the_engine_compacts_itself():
     for rid in live:
         assert keep.request(rid) == lean.request(rid)
     assert lean.history().ids[-1] == keep.history().ids[-1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_compact_with_prefix_caching_changes_nothing_but_memory(seed: int):
+    """With prefix caching the arenas are packed in place: requests preempted and admitted
+    again have moved their slices past later rows', shadow-style requests reserve a whole
+    ``max_model_len`` of blocks. Forecasts and every request's outcome are those of an engine
+    that never compacts, and the arenas keep their capacity (no regrowth at the next
+    forecast)."""
+    from duetime.engine.forecasting import forecast
+
+    rng = random.Random(seed)
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=6, max_model_len=2048,
+                          block_size=16, num_gpu_blocks=300, enable_prefix_caching=True)
+    a, b = Engine(cfg, MODEL), Engine(cfg, MODEL)
+    prefixes = [[rng.randrange(1, 1 << 60) for _ in range(8)] for _ in range(3)]
+    ids: list[str] = []
+    for k in range(160):
+        pre = prefixes[rng.randrange(3)]
+        p = rng.randint(20, 400)
+        n_keys = min(p // 16, len(pre) + 6)
+        hashes = (pre + [rng.randrange(1, 1 << 60) for _ in range(6)])[:n_keys]
+        stop = rng.choice([rng.randint(1, 40), cfg.max_model_len - p - 1])
+        for eng in (a, b):
+            eng.add(f"r{k}", p, stop, hashes=hashes)
+        ids.append(f"r{k}")
+        if stop > 40 and k >= 3 and rng.random() < 0.6:  # (a shadow replica's request ends)
+            gone = ids[rng.randrange(len(ids) - 3, len(ids))]
+            for eng in (a, b):
+                if gone in eng.running_ids() or gone in eng.waiting_ids():
+                    eng.abort(gone)
+        moved = False
+        running = a.running_ids()
+        if running and rng.random() < 0.3:  # the instance streamed more than the replica
+            rid = rng.choice(running)  # made: past its stop, its slice moves to the end
+            r = a.request(rid)
+            n = min(r["output_tokens"] + rng.randint(20, 60),
+                    cfg.max_model_len - r["prompt_tokens"] - 2)
+            for eng in (a, b):
+                eng.observe(rid, n)
+            moved = True
+        if k % 13 == 12 or (moved and rng.random() < 0.5):
+            size = b._rb.shape[0]
+            b.compact()
+            b.check_invariants()
+            assert b._rb.shape[0] == size  # (packed in place)
+            probe = prefixes[k % 3][:4]
+            fa = forecast(a.snapshot(), 70, prompt_hashes=probe)
+            fb = forecast(b.snapshot(), 70, prompt_hashes=probe)
+            assert (fa.estimate_s, fa.steps) == (fb.estimate_s, fb.steps)
+        for eng in (a, b):
+            eng.step()
+    assert b.num_added < a.num_added
+    assert a.running_ids() == b.running_ids() and a.waiting_ids() == b.waiting_ids()
+    live = set(b.running_ids()) | set(b.waiting_ids())
+    a.drain()
+    b.drain()
+    for rid in live:
+        assert a.request(rid) == b.request(rid)

@@ -495,20 +495,8 @@ class Engine:
             return out
 
         self._req = keep(self._req, 0)
-        if self.caching:  # the arenas keep only the live rows' slices
-            rb, rk = self._rb, self._rk
-            self._rb = np.zeros(max(1024, int(self._req[:k, kn.BCAP].sum())), dtype=np.int64)
-            self._rk = np.zeros(max(1024, int(self._req[:k, kn.NKEY].sum())), dtype=np.int64)
-            self._rb_used = self._rk_used = 0
-            for i in range(k):
-                row = self._req[i]
-                b, c, ko, nk = (int(row[kn.BOFF]), int(row[kn.BCAP]), int(row[kn.KOFF]),
-                                int(row[kn.NKEY]))
-                self._rb[self._rb_used:self._rb_used + c] = rb[b:b + c]
-                self._rk[self._rk_used:self._rk_used + nk] = rk[ko:ko + nk]
-                row[kn.BOFF], row[kn.KOFF] = self._rb_used, self._rk_used
-                self._rb_used += c
-                self._rk_used += nk
+        if self.caching:
+            self._pack_arenas(k)
         self._stamps = keep(self._stamps, np.nan)
         self._pred = keep(self._pred, 0)
         self._arrival = keep(self._arrival, 0.0)
@@ -880,6 +868,34 @@ class Engine:
         return PrefixState(self._pool, self._kmap, self._rb, self._rk, cols,
                            int(self._st[kn.FREE]), self._uid, self._undo,
                            lambda: self.revision == revision, self._forecast_arenas)
+
+    def _pack_arenas(self, k: int) -> None:
+        """The arenas keep only the first ``k`` rows' slices (the live ones, after
+        :meth:`compact`), moved down in place in the order they lie, their capacity kept: a
+        shadow replica's requests each reserve a whole ``max_model_len`` of blocks, so arenas
+        cut to the live slices were grown again by the next forecast's room, every few requests
+        (allocations and copies of hundreds of KB on a gateway's hot path). Of a block slice
+        only its held blocks are copied: the entries past them are written before they are
+        read (as :meth:`_place` moves a slice)."""
+        req, rb, rk = self._req, self._rb, self._rk
+        used = 0
+        for i in np.argsort(req[:k, kn.BOFF], kind="stable").tolist():
+            row = req[i]
+            b, c, h = int(row[kn.BOFF]), int(row[kn.BCAP]), int(row[HELD])
+            if h and used != b:  # (used <= b: the slices below it are the live ones before it)
+                rb[used:used + h] = rb[b:b + h]
+            row[kn.BOFF] = used
+            used += c
+        self._rb_used = used
+        used = 0
+        for i in np.argsort(req[:k, kn.KOFF], kind="stable").tolist():
+            row = req[i]
+            ko, nk = int(row[kn.KOFF]), int(row[kn.NKEY])
+            if nk and used != ko:
+                rk[used:used + nk] = rk[ko:ko + nk]
+            row[kn.KOFF] = used
+            used += nk
+        self._rk_used = used
 
     def _forecast_arenas(self, blocks: int, keys: int) -> tuple[np.ndarray, int, np.ndarray, int]:
         """The arenas with room for a forecast's new slices past the engine's
