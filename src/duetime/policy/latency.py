@@ -15,7 +15,6 @@ from duetime.policy.base import (
     Described,
     Policy,
     RoutingRequest,
-    prices_of,
     utility,
     views_of,
 )
@@ -28,7 +27,7 @@ from duetime.policy.registry import (
     STATS,
     Param,
 )
-from duetime.policy.tiers import least_and_ties, tier_runs, utility_tiers
+from duetime.policy.tiers import least_and_ties, tier_runs
 
 UTILITY_INPUTS = frozenset({QUALITY, OUTPUT_LENGTH})
 
@@ -108,13 +107,9 @@ class Feasible(Policy):
         self.ranked = bool(ranked)
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
-        q, out = req.quality, req.output_tokens
+        u = utility(req, cands, self.lam)
         # best utility first; tiers: runs of equal utility in that order
-        if isinstance(q, np.ndarray) and isinstance(out, np.ndarray):
-            _, order, ends = utility_tiers(q, out, prices_of(cands), req.prompt_tokens,
-                                           self.lam)
-        else:
-            order, ends = tier_runs(utility(req, cands, self.lam))
+        order, ends = tier_runs(u)
         forecasts = np.full(len(cands), np.inf)
         bounds = np.full(len(cands), -np.inf)  # lower bounds of forecasts not made
         k = 0

@@ -53,27 +53,11 @@ def least_and_ties(x):  # pragma: no cover - jit
     return best, ties
 
 
-@njit(cache=True, nogil=True)
-def utility_tiers(quality, output, prices, prompt, lam):  # pragma: no cover - jit
-    """(u, order, ends): each candidate's utility, as :func:`duetime.policy.base.utility`
-    computes it (``quality - lam * (prices[:, 0] * prompt + prices[:, 1] * output)``, the
-    same operations in the same order: the same floats), and :func:`tier_runs` of it, in one
-    call (the four numpy operations of the utility cost ~3.5 us a decision)."""
-    n = quality.shape[0]
-    u = np.empty(n)
-    for k in range(n):
-        u[k] = quality[k] - lam * (prices[k, 0] * prompt + prices[k, 1] * output[k])
-    order, ends = tier_runs(u)
-    return u, order, ends
-
 
 def warm_up_tiers() -> None:
-    """Load (or compile) these kernels for the argument types the routers pass (utilities of
-    float quality with integer or float output lengths), so that a server's first request or a
-    simulation's first decision does not pay it (see :func:`duetime.engine.warmup.warm_up`)."""
+    """Load (or compile) these kernels for the argument types the routers pass (float
+    utilities and estimates), so that a server's first request or a simulation's first
+    decision does not pay it (see :func:`duetime.engine.warmup.warm_up`)."""
     u = np.array([0.5, 0.5, 0.25])
-    prices = np.ones((3, 2))
-    for out in (np.array([10, 10, 20]), np.array([10.0, 10.0, 20.0])):
-        utility_tiers(u, out, prices, 100, 5e-4)
     tier_runs(u)
     least_and_ties(u)
