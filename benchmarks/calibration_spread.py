@@ -2,14 +2,14 @@
 holds on a loaded trace it never saw: ``paper4`` against ``sfs6`` on the same probes.
 
     python benchmarks/calibration_spread.py [--model tiny-large|tiny-small]
-        [--calibrations 4] [--loads 0.5,0.75] [--requests 80] [--out DIR]
+        [--calibrations 4] [--reps 3] [--loads 0.5,0.75] [--requests 80] [--out DIR]
 
 Starts one of the e2e suite's tiny vLLM servers (CPU build, the fixture's flags, its engine on
 core 0), then:
 
-1. calibrates it ``--calibrations`` times in a row with ``duetime calibrate``'s code (two
-   repetitions of each probe, as the e2e fixture does), and fits both batch-time models to each
-   calibration's own samples (one set of probes, two fits);
+1. calibrates it ``--calibrations`` times in a row with ``duetime calibrate``'s code
+   (``--reps`` repetitions of each probe, three as the e2e fixture does), and fits both
+   batch-time models to each calibration's own samples (one set of probes, two fits);
 2. records one loaded trace with ``duetime validate`` (the first calibration's ``paper4`` as
    its profile; the trace does not depend on it);
 3. replays that trace with every fit: the held-out error of each calibration and model.
@@ -60,6 +60,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("tiny-large", "tiny-small"), default="tiny-large")
     ap.add_argument("--calibrations", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions of each probe per calibration (as the e2e fixture and "
+                         "duetime calibrate: 3)")
     ap.add_argument("--loads", default="0.5,0.75")
     ap.add_argument("--requests", type=int, default=80)
     ap.add_argument("--out", default=None)
@@ -85,8 +88,8 @@ def main() -> None:
         for k in range(args.calibrations):
             for attempt in range(fx.CALIBRATION_ATTEMPTS):  # (as the e2e fixture: a busy
                 try:                                         # moment fails a probe at times)
-                    cal = asyncio.run(calibrate(server.base_url, server.name, cfg, reps=2,
-                                                seed=k))
+                    cal = asyncio.run(calibrate(server.base_url, server.name, cfg,
+                                                reps=args.reps, seed=k))
                     break
                 except CalibrationError as e:
                     if attempt + 1 == fx.CALIBRATION_ATTEMPTS:

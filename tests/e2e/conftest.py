@@ -294,7 +294,8 @@ def _describe(proc: _Proc) -> VllmServer:
 
 def _calibrate(server: VllmServer) -> VllmServer:
     """Fit the server's batch-time model and request overhead with ``duetime calibrate``'s
-    code (two repetitions of each probe), as an operator would before adding it to a pool."""
+    code (three repetitions of each probe, its CLI's default), as an operator would before
+    adding it to a pool."""
     import asyncio
     import statistics
 
@@ -308,7 +309,7 @@ def _calibrate(server: VllmServer) -> VllmServer:
     t0 = time.monotonic()
     for attempt in range(1, CALIBRATION_ATTEMPTS + 1):
         try:
-            cal = asyncio.run(calibrate(server.base_url, server.name, cfg, reps=2))
+            cal = asyncio.run(calibrate(server.base_url, server.name, cfg, reps=3))
             break
         except CalibrationError as e:
             # Seen once in a fresh clone's first run: no decode sample at all (an API server
