@@ -388,3 +388,64 @@ def test_told_keys_leave_the_queue_in_vllms_order() -> None:
     assert eng.cache_store([16]) == 1  # takes that block first (the front), not 12's
     assert eng.cached_prefix([12]) == 1 and eng.cached_blocks == 4
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_events_index_reads_each_keys_events_in_time_order(seed: int) -> None:
+    """``events_by_key`` and ``hits_at`` against a reading of the raw log: random add /
+    remove events of a few keys at rising stamps (keys repeated, groups interleaved); at every
+    stamp, how many of a probe's leading keys are cached equals the brute-force answer (a key
+    with events is as its last event at or before the stamp says, before its first one the
+    opposite of it; one without is as the table says)."""
+    from duetime.engine.block_pool_kernel import (
+        U_EV,
+        U_NEV,
+        U_STAMP,
+        key_put,
+        new_key_map,
+        new_pool,
+        new_undo,
+    )
+    from duetime.engine.forecasting import events_by_key, hits_at
+
+    rng = random.Random(seed)
+    keys = [rng.getrandbits(62) for _ in range(12)]
+    kmap = new_key_map(64)
+    for k in keys[:6]:  # cached at the "snapshot"
+        key_put(kmap, k, 1)
+    undo = new_undo(new_pool(16), kmap)
+    log = []
+    for stamp in range(40):
+        for _ in range(rng.randint(0, 3)):
+            k = rng.choice(keys)
+            sign = rng.choice((-1, 1))
+            log.append((stamp, k, sign))
+    n = len(log)
+    at = int(undo[U_EV])
+    undo[at:at + 3 * n] = np.array(log, dtype=np.int64).ravel()
+    undo[U_NEV] = n
+    undo[U_STAMP] = 40
+    ev_key, ev_stamp, ev_sign, index, ok = events_by_key(undo)
+    assert ok
+    for k in set(keys):  # one contiguous group per key, in the log's order
+        mine = [(s, g) for s, kk, g in log if kk == k]
+        got = list(zip(ev_stamp[ev_key == k].tolist(), ev_sign[ev_key == k].tolist(),
+                       strict=True))
+        assert got == mine
+        idx = np.flatnonzero(ev_key == k)
+        assert not len(idx) or idx.tolist() == list(range(idx[0], idx[0] + len(idx)))
+
+    def cached(k: int, stamp: int) -> bool:
+        mine = [(s, g) for s, kk, g in log if kk == k]
+        if not mine:
+            return k in keys[:6]
+        seen = [g for s, g in mine if s <= stamp]
+        return seen[-1] > 0 if seen else mine[0][1] < 0
+
+    for _ in range(30):
+        probe = rng.sample(keys, rng.randint(1, 8))
+        for stamp in range(-1, 41):
+            want = next((i for i, k in enumerate(probe) if not cached(k, stamp)), len(probe))
+            got = hits_at(kmap, np.array(probe, dtype=np.int64), ev_key, ev_stamp, ev_sign,
+                          index, stamp)
+            assert got == want, (probe, stamp)

@@ -272,27 +272,46 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
 @njit(cache=True, nogil=True)
 def events_by_key(undo):  # pragma: no cover - jit
     """The key events of the replay on the log's pool so far (see
-    :mod:`duetime.engine.block_pool_kernel`), sorted by key and in time order per key: (keys,
-    stamps, signs, index), ``index`` a key table (:func:`~duetime.engine.block_pool_kernel.key_get`)
-    from each key to 1 + where its events start; or empty arrays and False if the events
-    overflowed the log."""
+    :mod:`duetime.engine.block_pool_kernel`), grouped by key (the groups in the order of
+    their keys' first events) and in time order per key: (keys, stamps, signs, index),
+    ``index`` a key table (:func:`~duetime.engine.block_pool_kernel.key_get`) from each key
+    to 1 + where its events start; or empty arrays and False if the events overflowed the
+    log. (Grouped in two passes through a key table, not sorted: 4-5x faster for the
+    400-900 events of a first forecast with caching, which sorting cost ~10% of.)"""
     n = undo[U_NEV]
     if n > undo[U_EVCAP]:
         e = np.empty(0, dtype=np.int64)
         return e, e, e, new_key_map(1), False
     ev = undo[undo[U_EV]:undo[U_EV] + 3 * n].reshape(n, 3)
-    order = np.argsort(ev[:, 1], kind="mergesort")  # stable: time order per key stays
+    index = new_key_map(n)  # first: each key's group + 1
+    group = np.empty(n, dtype=np.int64)
+    count = np.zeros(n + 1, dtype=np.int64)
+    groups = 0
+    for i in range(n):
+        g = key_get(index, ev[i, 1])
+        if g < 0:
+            groups += 1
+            g = groups
+            key_put(index, ev[i, 1], g)
+        group[i] = g - 1
+        count[g - 1] += 1
+    at = np.empty(groups, dtype=np.int64)  # where each group's next event goes
+    s = 0
+    for g in range(groups):
+        at[g] = s
+        s += count[g]
     keys = np.empty(n, dtype=np.int64)
     stamps = np.empty(n, dtype=np.int64)
     signs = np.empty(n, dtype=np.int64)
-    index = new_key_map(n)
     for i in range(n):
-        j = order[i]
-        keys[i] = ev[j, 1]
-        stamps[i] = ev[j, 0]
-        signs[i] = ev[j, 2]
-        if i == 0 or keys[i] != keys[i - 1]:
-            key_put(index, keys[i], i + 1)
+        j = at[group[i]]
+        at[group[i]] = j + 1
+        keys[j] = ev[i, 1]
+        stamps[j] = ev[i, 0]
+        signs[j] = ev[i, 2]
+    for g in range(groups):  # then: where each key's events start
+        start = at[g] - count[g]
+        key_put(index, keys[start], start + 1)
     return keys, stamps, signs, index, True
 
 
