@@ -404,7 +404,7 @@ class Forecaster:
             return False
         n0 = self._n
         target = int(self._room[0]) + max(more, 1)
-        if self._caching:  # (each extension sorts the key events again: go twice as far)
+        if self._caching:  # (each extension indexes the key events again: go twice as far)
             target = max(target, 2 * int(self._room[0]))
         state = self._state
         if self._caching and (state is None or not holds(state[12], self._token, self._gen)):
