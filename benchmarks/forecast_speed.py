@@ -29,6 +29,10 @@ whose cache holds ``cached`` blocks (of earlier conversations, free to evict) be
 waiting requests of tenants that share system prompts; every probe shares one too, with its
 block keys. Such a forecast borrows the engine's cache for its base replay (and puts it back);
 ``kernel`` is one replay with the probe without caching on the same requests, for scale.
+After one more engine step, ``live`` is the engine's own forecaster's first probe (read from the
+engine's arrays, its cache borrowed) and ``snapshot+first`` the same forecast through a snapshot
+built for it, each with everything it does timed, in alternating order (the second puts back
+what the first kept of the cache; the two are checked equal).
 
     python benchmarks/forecast_speed.py [--snapshots N] [--quick] [--async-scheduling]
 """
@@ -202,7 +206,8 @@ def caching_engine(model, budget: int, cached: int, seed: int, asynchronous: boo
 
 def measure_caching(model, budget: int, n_snapshots: int, cached: int,
                     asynchronous: bool = False, seats: int = 200) -> dict:
-    rows: dict[str, list[float]] = {k: [] for k in ("first", "further", "kernel")}
+    rows: dict[str, list[float]] = {k: [] for k in ("first", "further", "kernel", "live",
+                                                     "snap_first")}
     steps, held = [], []
     for seed in range(n_snapshots):
         eng, systems, add = caching_engine(model, budget, cached, seed, asynchronous, seats)
@@ -233,6 +238,18 @@ def measure_caching(model, budget: int, n_snapshots: int, cached: int,
             t = time.perf_counter()
             forecast(snap, p, prompt_hashes=keys)
             rows["further"].append(time.perf_counter() - t)
+        # after one more step: the engine's own forecaster (read from its arrays), then a
+        # snapshot of the same state built and forecast, everything timed
+        # (in alternating order: the second puts back what the first kept of the cache)
+        eng.step()
+        keys = probe(1000)
+        got = {}
+        for what in (("live", "snap_first") if seed % 2 == 0 else ("snap_first", "live")):
+            t = time.perf_counter()
+            got[what] = (eng.forecaster().ttft(1000, keys) if what == "live"
+                         else forecast(eng.snapshot(), 1000, prompt_hashes=keys))
+            rows[what].append(time.perf_counter() - t)
+        assert got["live"].estimate_s == got["snap_first"].estimate_s
         plain = Snapshot(dataclasses.replace(snap.config, enable_prefix_caching=False),
                          snap.model, time=snap.time, running=snap.running_table,
                          waiting=snap.waiting_table)
@@ -303,7 +320,8 @@ def main() -> None:
     print("seats: max_num_seqs; 256: the waiting requests have just arrived (as in the table "
           "above); 200: they wait for seats (the probe for 20 finishes)")
     head = (f"{'model':>6} {'budget':>6} {'seats':>5} {'cached':>7} {'steps':>5} {'first':>7} "
-            f"{'p90':>7} {'further':>7} {'kernel w/o caching':>18}")
+            f"{'p90':>7} {'further':>7} {'kernel w/o caching':>18} {'live':>7} "
+            f"{'snapshot+first':>14}")
     print(head)
     print("-" * len(head))
     warm = Engine(SchedulerConfig(num_gpu_blocks=100, enable_prefix_caching=True), sfs6)
@@ -321,7 +339,8 @@ def main() -> None:
         rows = got["rows"]
         print(f"{model.name:>6} {budget:>6} {seats:>5} {got['cached']:>7.0f} "
               f"{got['steps']:>5.0f} {_us(rows['first']):>7.1f} {_p90(rows['first']):>7.1f} "
-              f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>18.1f}")
+              f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>18.1f} "
+              f"{_us(rows['live']):>7.1f} {_us(rows['snap_first']):>14.1f}")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
 """The forecaster a live engine keeps (engine/live_forecast.py) answers exactly as a fresh
-forecast of the engine's snapshot, through any sequence of the engine's changes."""
+forecast of the engine's snapshot, through any sequence of the engine's changes, with and
+without prefix caching."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import random
+from typing import Any
 
 import pytest
 
 from duetime.engine import Engine, Sfs6
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import Forecaster, ForecastError, forecast
+from duetime.engine.forecasting import ForecastError, forecast
 from duetime.engine.live_forecast import LiveForecaster
 
 MODEL = Sfs6(c0=0.005, cp=2e-5, cpsq=5e-10, cd=2.5e-5, cs=4e-8, css=2e-13)
@@ -27,23 +29,35 @@ CONFIGS = {
                                scheduler_reserve_full_isl=False),
     "ample": SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=8192,
                              block_size=16, num_gpu_blocks=20_000),
+    # prefix caching: requests and probes share system prompts; a tight cache evicts them
+    "cached": SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=4096,
+                              block_size=16, num_gpu_blocks=2000, enable_prefix_caching=True),
+    "cached-tight": SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4,
+                                    max_model_len=2048, block_size=16, num_gpu_blocks=150,
+                                    enable_prefix_caching=True),
 }
 
 
-def _same(eng: Engine, prompts: list[int]) -> None:
-    """The engine's forecaster and a fresh forecast of its snapshot agree on every probe."""
+def _same(eng: Engine, probes: list[tuple[int, list[int] | None]]) -> None:
+    """The engine's forecaster and a fresh forecast of its snapshot agree on every probe
+    (``(prompt, block keys)``; the snapshot's all first, then the engine's: with prefix caching
+    the engine's forecaster takes the cache back, then keeps it between its probes)."""
     fc = eng.forecaster()
     snap = eng.snapshot()
     assert fc.time == snap.time
     assert fc.streams == len(snap.running_table) + len(snap.waiting_table)
-    for p in prompts:
+    wants: list[Any] = []
+    for p, keys in probes:
         try:
-            want = forecast(snap, p)
+            wants.append(forecast(snap, p, prompt_hashes=keys))
         except ForecastError as e:
-            with pytest.raises(ForecastError, match=str(e)[:30]):
-                fc.ttft(p)
+            wants.append(e)
+    for (p, keys), want in zip(probes, wants, strict=True):
+        if isinstance(want, ForecastError):
+            with pytest.raises(ForecastError, match=str(want)[:30]):
+                fc.ttft(p, keys)
             continue
-        got = fc.ttft(p)
+        got = fc.ttft(p, keys)
         assert (got.estimate_s, got.steps, got.reason) == (want.estimate_s, want.steps,
                                                            want.reason), p
         assert math.isfinite(got.estimate_s) or got.reason
@@ -55,6 +69,15 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
     live: list[str] = []
     cfg = eng.config
     max_len = min(cfg.max_model_len, cfg.usable_blocks * cfg.block_size)  # (else it is stuck)
+    caching = cfg.enable_prefix_caching
+    systems = [[rng.getrandbits(62) for _ in range(rng.randint(2, 30))] for _ in range(3)]
+
+    def keys(tokens: int) -> list[int] | None:
+        """Block keys of ``tokens`` tokens: a shared system prompt, then its own."""
+        if not caching:
+            return None
+        own = [rng.getrandbits(62) for _ in range(tokens // cfg.block_size)]
+        return (rng.choice(systems) + own)[:tokens // cfg.block_size]
     for k in range(n):
         u = rng.random()
         if u < 0.35:
@@ -62,7 +85,8 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
             prompt = rng.randint(1, min(1500, max_len - 2))
             stop = rng.randint(1, min(200, max_len - prompt))
             pred = max(1, int(stop * rng.uniform(0.5, 1.5)))
-            eng.add(rid, prompt, stop, predicted_output_tokens=pred)
+            eng.add(rid, prompt, stop, predicted_output_tokens=pred,
+                    hashes=keys(prompt + stop))
             live.append(rid)
         elif u < 0.7:
             for _ in range(rng.randint(1, 4)):
@@ -85,7 +109,8 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
             eng.compact()
         live = [r for r in live if eng.has(r)]
         # two probes per change, one of them after the other (a kept base's later probe)
-        _same(eng, [rng.randint(1, cfg.max_model_len + 100), rng.choice((1, 17, 300, 1000))])
+        probes = [rng.randint(1, cfg.max_model_len + 100), rng.choice((1, 17, 300, 1000))]
+        _same(eng, [(p, keys(p)) for p in probes])
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -99,7 +124,7 @@ def test_live_forecasts_equal_fresh_ones_through_random_changes(name, asynchrono
     fc = eng.forecaster()
     assert isinstance(fc, LiveForecaster)
     assert fc is eng.forecaster()  # kept
-    assert 0 < fc.rebuilds <= 240
+    assert 0 < fc.rebuilds <= (720 if cfg.enable_prefix_caching else 240)
 
 
 def test_a_revision_is_replayed_once():
@@ -118,16 +143,27 @@ def test_a_revision_is_replayed_once():
     assert (a.estimate_s, b.estimate_s) != (c.estimate_s, c.estimate_s)
 
 
-def test_with_prefix_caching_the_engine_forecasts_from_its_snapshot():
-    cfg = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=4096,
-                          block_size=16, num_gpu_blocks=400, enable_prefix_caching=True)
+def test_with_prefix_caching_a_revision_is_read_once_and_its_lease_kept():
+    cfg = CONFIGS["cached"]
     eng = Engine(cfg, MODEL)
-    eng.add("a", 100, 5, hashes=list(range(1, 7)))
+    shared = list(range(1, 7))
+    eng.add("a", 100, 5, hashes=shared)
+    eng.add("b", 300, 50, hashes=shared + list(range(50, 70)))
     eng.step()
     fc = eng.forecaster()
-    assert type(fc) is Forecaster and fc.snapshot is eng.snapshot()
-    keys = list(range(1, 7))
-    assert fc.ttft(100, keys).estimate_s == forecast(eng.snapshot(), 100,
-                                                     prompt_hashes=keys).estimate_s
-    with pytest.raises(ValueError, match="without prefix caching"):
-        LiveForecaster(eng)
+    assert isinstance(fc, LiveForecaster) and fc.rebuilds == 0
+    a = fc.ttft(100, shared)
+    assert fc.rebuilds == 1
+    b = eng.forecaster().ttft(300, [*shared, 99])
+    assert fc.rebuilds == 1  # the same state, its lease kept
+    want = [forecast(eng.snapshot(), 100, prompt_hashes=shared),
+            forecast(eng.snapshot(), 300, prompt_hashes=[*shared, 99])]
+    assert [a.estimate_s, b.estimate_s] == [w.estimate_s for w in want]
+    # the snapshot's forecasts took the cache back: the record still answers (the lease is
+    # needed only to extend the base)
+    assert fc.ttft(100, shared).estimate_s == a.estimate_s
+    eng.step()
+    with pytest.raises(ForecastError, match="changed since sync"):
+        fc.ttft(100, shared)
+    assert eng.forecaster().ttft(100, shared).estimate_s == forecast(
+        eng.snapshot(), 100, prompt_hashes=shared).estimate_s

@@ -42,7 +42,7 @@ from duetime.engine.block_pool_kernel import (
     store_free,
 )
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import Forecaster, config_array, forecaster
+from duetime.engine.forecasting import Forecaster, config_array, replay_state
 from duetime.engine.kv import blocks_for, stuck_reason
 from duetime.engine.kv_kernel import HELD, kv_release, kv_take
 from duetime.engine.live_forecast import LiveForecaster
@@ -840,15 +840,33 @@ class Engine:
 
     def forecaster(self) -> Forecaster:
         """The forecaster of the engine's current state: one kept across the engine's changes
-        and read from its arrays (:mod:`duetime.engine.live_forecast`); with prefix caching,
-        its snapshot's. Its forecasts are measured from :attr:`time` and equal those of
-        ``forecast(self.snapshot(), ...)``."""
-        if self.caching:
-            return forecaster(self.snapshot())
+        and read from its arrays, with or without prefix caching
+        (:mod:`duetime.engine.live_forecast`). Its forecasts are measured from :attr:`time` and
+        equal those of ``forecast(self.snapshot(), ...)``."""
         live = self._live
         if live is None:
             live = self._live = LiveForecaster(self)
         return live.sync()
+
+    def replay_state(self, sigma: float) -> tuple:
+        """The replay arrays of the current state, with prefix caching borrowing the engine's
+        cache (:func:`~duetime.engine.forecasting.replay_state`): what ``_state(snapshot())``
+        gives, without building the snapshot (a live forecaster's fresh base)."""
+        nrun = int(self._st[kn.NRUN])
+        rows_r = self._run[:nrun]
+        rows_w = self._waiting_rows()
+        req, pred = self._req, self._pred
+        return replay_state(self.config, self.model,
+                            (req[rows_r, kn.PROMPT], req[rows_r, kn.COMP],
+                             req[rows_r, kn.OUTPUT], pred[rows_r]),
+                            (req[rows_w, kn.PROMPT], req[rows_w, kn.OUTPUT], pred[rows_w]),
+                            self._prefix_state(rows_r, rows_w) if self.caching else None,
+                            sigma)
+
+    @property
+    def cache_table(self) -> np.ndarray | None:
+        """Prefix caching: the key table a forecaster's replay borrows (None without)."""
+        return self._kmap if self.caching else None
 
     def replay_base(self, sigma: float, state: tuple, rec: np.ndarray, cum: np.ndarray,
                     rec_t: np.ndarray, room: np.ndarray, target: int,

@@ -121,12 +121,24 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     if cfg.enable_prefix_caching and snapshot.prefix is None:
         raise ForecastError("config.enable_prefix_caching: this snapshot carries no cache "
                             "state (take it from a live engine, or use snapshot version 2)")
-    cfg_arr = config_array(cfg)
     run, wait = snapshot.running_table, snapshot.waiting_table
-    req, stamps, running, wq, st, clock = kn.prepare(
-        run.prompt, run.computed, run.output, run.predicted, wait.prompt, wait.output,
-        wait.predicted, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0)
-    caching = snapshot.prefix is not None and cfg.enable_prefix_caching
+    return replay_state(cfg, snapshot.model, (run.prompt, run.computed, run.output,
+                                              run.predicted),
+                        (wait.prompt, wait.output, wait.predicted), snapshot.prefix, sigma,
+                        probe, probe_hashes)
+
+
+def replay_state(cfg: SchedulerConfig, model: BatchTimeModel, running: tuple, waiting: tuple,
+                 prefix: Any, sigma: float, probe: tuple[int, int] | None = None,
+                 probe_hashes: Sequence[int] | np.ndarray | None = None) -> tuple:
+    """The replay arrays of a state given as columns: ``running`` = (prompt, computed, output,
+    predicted), ``waiting`` = (prompt, output, predicted), in scheduler order, and its cache
+    (a :class:`~duetime.engine.prefix_state.PrefixState`, or None); what a snapshot of that
+    state gives (:func:`_state`), and what a live engine's forecaster reads without one."""
+    cfg_arr = config_array(cfg)
+    req, stamps, running_rows, wq, st, clock = kn.prepare(
+        *running, *waiting, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0)
+    caching = prefix is not None and cfg.enable_prefix_caching
     if st[kn.FREE] < 0 and not caching:  # (with caching, shared blocks count once: below)
         raise ForecastError(f"snapshot: the running requests hold "
                             f"{cfg.usable_blocks - int(st[kn.FREE])} KV blocks but the instance "
@@ -138,12 +150,11 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
     pool = kn.NO_POOL
     if caching:
         try:
-            pool = snapshot.prefix.replay_arrays(req, st, cfg.block_size, cfg.max_model_len,
-                                                 probe_hashes)
+            pool = prefix.replay_arrays(req, st, cfg.block_size, cfg.max_model_len,
+                                        probe_hashes)
         except ValueError as e:
             raise ForecastError(str(e)) from None
-    return (req, stamps, running, wq, st, clock, cfg_arr, weights_array(snapshot.model),
-            *pool)
+    return (req, stamps, running_rows, wq, st, clock, cfg_arr, weights_array(model), *pool)
 
 
 def _give_back(state: tuple) -> None:
@@ -468,13 +479,7 @@ class Forecaster:
         bs = self._bs
         keys = None
         if self._caching:
-            if self.snapshot.prefix is None:
-                raise ForecastError("config.enable_prefix_caching: this snapshot carries no "
-                                    "cache state (take it from a live engine, or use snapshot "
-                                    "version 2)")
-            if not self.snapshot.prefix.is_current():
-                raise ForecastError("snapshot: the engine has changed since this snapshot was "
-                                    "taken; a forecast with prefix caching needs a current one")
+            self._check_cache()
             try:
                 keys = block_keys(prompt_hashes)
             except ValueError as e:
@@ -557,7 +562,21 @@ class Forecaster:
         ev = self._events
         if ev is None:
             raise _EventsLost
-        return hits_at(self.snapshot.prefix.kmap, keys, ev[0], ev[1], ev[2], ev[3], stamp)
+        return hits_at(self._cache_table(), keys, ev[0], ev[1], ev[2], ev[3], stamp)
+
+    def _check_cache(self) -> None:
+        """With prefix caching: raise if the cache behind the state is gone or stale."""
+        if self.snapshot.prefix is None:
+            raise ForecastError("config.enable_prefix_caching: this snapshot carries no "
+                                "cache state (take it from a live engine, or use snapshot "
+                                "version 2)")
+        if not self.snapshot.prefix.is_current():
+            raise ForecastError("snapshot: the engine has changed since this snapshot was "
+                                "taken; a forecast with prefix caching needs a current one")
+
+    def _cache_table(self) -> Any:
+        """The key table of the cache the base borrows (see :func:`hits_at`)."""
+        return self.snapshot.prefix.kmap
 
     def _marginal(self, p: int, c0: int, c1: int, sq: int, nsteps: int) -> float:
         """The probe's own batch-time terms: its prompt tokens ``c0`` to ``c1`` computed in
