@@ -43,6 +43,7 @@ from duetime.engine.block_pool_kernel import (
     key_put,
     lease,
     new_key_map,
+    reclaim,
     undo_all,
 )
 from duetime.engine.config import SchedulerConfig
@@ -562,6 +563,12 @@ class Forecaster:
         ev = self._events
         if ev is None:
             raise _EventsLost
+        state = self._state
+        if state is not None and not holds(state[12], self._token, self._gen):
+            # another replay took the cache since this base was recorded: its changes are put
+            # back, so that the table is the snapshot's where this base's events are silent
+            # (answered from the record, a base may not lean on a table another replay moved on)
+            reclaim(state[8], state[9], state[12])
         return hits_at(self._cache_table(), keys, ev[0], ev[1], ev[2], ev[3], stamp)
 
     def _check_cache(self) -> None:

@@ -122,7 +122,8 @@ class LiveForecaster(Forecaster):
                 if not self._caching:
                     self._state = (*self._state[:7], weights_array(self._model),
                                    *self._state[8:])
-            if self._caching:  # (the engine took its cache back before it changed)
+            if self._caching:  # (what its base kept on the cache is put back by the next
+                # borrower: the engine before it changes the cache, or this base read afresh)
                 self._state = None
                 self._gen = -1
                 self._events = None
