@@ -32,7 +32,8 @@ ITL 16% below the engine's at 30% load and 1% below it two minutes later, in ano
 below it; a CI run saw a static ITL median of 18.6%. So the same lone requests are
 timed again after the harness and after the live run (fresh prompts: no cache hits), and each
 part's tolerances are widened by how far the median lone TTFT moved across it (``drift``;
-0.2-25% in five runs here, 58-60% in two).
+0.2-25% in five runs here; 58-60% in two runs of a variant that
+recalibrated inside the test first, dropped).
 
 Drift between two lone-request probes does not show everything: in one run the lone requests
 moved 1-3% while vLLM's histograms put the replay's mean ITL 18% below the engine's at 30% load

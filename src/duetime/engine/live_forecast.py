@@ -155,11 +155,8 @@ class LiveForecaster(Forecaster):
         return self._engine.cache_table
 
     def _extend(self, more: int) -> bool:
-        if self._caching:  # a fresh base when the lease is lost (see Forecaster._extend)
-            self._stale = False
-            return super()._extend(more)
-        if not self._stale:
-            return super()._extend(more)
+        if self._caching or not self._stale:  # (with caching: a fresh base from the engine
+            return super()._extend(more)       # whenever the lease is lost, _fresh_state)
         self._stale = False
         self.rebuilds += 1
         target = max(more, 1)
