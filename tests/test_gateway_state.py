@@ -3,12 +3,17 @@ only on refresh and on recorded events, the in-flight ledger sits behind a store
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
 
 import pytest
 
 from attempts import dispatch, end, first_token, progress
 from duetime.engine import ResidentRequest, SchedulerConfig, Sfs6, Snapshot
+from duetime.engine.forecasting import Forecaster, ForecastError
+from duetime.engine.snapshot import RequestTable
+from duetime.estimate.sfs import SfsEstimator
 from duetime.gateway import pool_from_dict
 from duetime.gateway.backends.memory import ENDED_MEMORY_S, MemoryStore
 from duetime.gateway.prometheus import GatewayMetrics
@@ -105,3 +110,94 @@ def test_a_published_snapshot_is_merged_with_what_the_gateway_did_since():
     first_token(f_new, time.monotonic())
     assert [r.id for r in s.snapshot().running] == ["new"]
     assert _state(source="shadow").source() == "shadow"
+
+
+def _published_table(rng: random.Random, n: int, running: bool) -> tuple[list[str], RequestTable]:
+    ids = [f"p{rng.getrandbits(24)}" for _ in range(n)]
+    prompt = [rng.randint(1, 3000) for _ in range(n)]
+    out = [rng.randint(1, 300) if running else 0 for _ in range(n)]
+    computed = [p + o - rng.randint(0, 1) if running else 0 for p, o in zip(prompt, out)]
+    return ids, RequestTable(ids, prompt, computed, out, [rng.randint(1, 500) for _ in range(n)])
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_forecasts_from_a_published_snapshot_equal_its_merged_snapshots(seed, asynchronous):
+    """The forecaster the instance keeps over its published snapshot and its ledger answers as
+    a fresh one of the merged snapshot, through random publications, dispatches (some of
+    requests the snapshot holds), first tokens and ends; dated now, not the millisecond
+    before."""
+    rng = random.Random(seed)
+    s = _state(max_age_s=3600.0)  # (fresh however slowly the test runs)
+    cfg = dataclasses.replace(s.instance.config, async_scheduling=asynchronous,
+                              num_gpu_blocks=20_000)
+    model = s.instance.spec.batch_time
+    t0 = time.monotonic()
+    ids: list[str] = []
+    live: dict[str, Attempt] = {}
+
+    used: set[str] = set()
+    pub_time = 0.0
+
+    def publish(now: float) -> None:
+        nonlocal ids, pub_time
+        ids_r, run = _published_table(rng, rng.randint(0, 40), running=True)
+        ids_w, wait = _published_table(rng, rng.randint(0, 12), running=False)
+        ids = ids_r + ids_w
+        lag = rng.uniform(0.0, 0.03)  # (the snapshot was taken that long before it came)
+        s.published.set(Snapshot(cfg, model, time=50.0, running=run, waiting=wait),
+                        instance_clock=50.0 + lag, sent=now, received=now)
+        pub_time = now - lag
+
+    publish(t0)
+    checked = 0
+    for k in range(600):
+        now = t0 + 1e-4 * k
+        op = rng.random()
+        if op < 0.04:
+            publish(now)
+        elif op < 0.4:
+            fid = rng.choice(ids) if ids and rng.random() < 0.3 else f"x{k}"
+            if fid not in used:  # (an id is dispatched once: the shadow replica keeps ids)
+                used.add(fid)
+                live[fid] = dispatch(s, fid, rng.randint(1, 3000), rng.randint(1, 300), now,
+                                     None)
+        elif op < 0.55 and live:
+            a = live[rng.choice(sorted(live))]
+            if a.flight.first_token is None:
+                first_token(a, now)
+                progress(a, rng.randint(1, 5))
+        elif op < 0.7 and live:
+            end(live.pop(rng.choice(sorted(live))), now)
+        assert s.source() == "published"
+        fc = s.forecaster()
+        fresh = Forecaster(s.published.merged(now, s.ledger).at(max(pub_time, now)))
+        assert pub_time - 1e-9 <= fc.time <= max(pub_time, time.monotonic()) + 1e-9
+        fc = s.published.forecaster(now, s.ledger)
+        assert fc.time == fresh.time and fc.streams == fresh.streams
+        for p in (rng.randint(1, 200), rng.randint(200, 6000)):
+            assert fc.ttft(p).estimate_s == fresh.ttft(p).estimate_s, (k, p)
+            checked += 1
+    assert checked == 1200
+
+
+def test_a_published_snapshot_holding_more_blocks_than_the_instance_forecasts_nothing():
+    """A published state whose running requests hold more KV blocks than the instance has is
+    refused at every probe, as a snapshot's replay refuses it (the router's estimator then
+    reads it as unservable), and the next publication is served again."""
+    s = _state(max_age_s=3600.0)
+    cfg = dataclasses.replace(s.instance.config, num_gpu_blocks=101)
+    model = s.instance.spec.batch_time
+    now = time.monotonic()
+    over = Snapshot(cfg, model, time=1.0, running=[ResidentRequest("big", 3000, 3000, 1, 5)])
+    s.published.set(over, instance_clock=1.0, sent=now, received=now)
+    with pytest.raises(ForecastError):
+        Forecaster(s.published.merged(now, s.ledger))
+    for _ in range(2):
+        with pytest.raises(ForecastError, match="more KV blocks"):
+            s.forecaster().ttft(10)
+    assert SfsEstimator().ttft(s, 10, now) == float("inf")
+    ok = Snapshot(cfg, model, time=2.0, running=[ResidentRequest("small", 30, 30, 1, 5)])
+    s.published.set(ok, instance_clock=2.0, sent=now, received=now)
+    assert s.forecaster().ttft(10).estimate_s == Forecaster(
+        s.published.merged(now, s.ledger)).ttft(10).estimate_s

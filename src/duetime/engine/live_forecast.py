@@ -29,6 +29,7 @@ two requests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -113,9 +114,9 @@ class LiveForecaster(Forecaster):
         from the engine when a probe first needs it)."""
         eng = self._engine
         rev = eng.revision
+        self._time = eng.time  # (an engine's revision moves with its clock; a RowState's not)
         if rev != self._rev:
             self._rev = rev
-            self._time = eng.time
             self._streams = eng.num_running + eng.num_waiting
             if eng.model is not self._model:
                 self._model = eng.model
@@ -157,7 +158,6 @@ class LiveForecaster(Forecaster):
     def _extend(self, more: int) -> bool:
         if self._caching or not self._stale:  # (with caching: a fresh base from the engine
             return super()._extend(more)       # whenever the lease is lost, _fresh_state)
-        self._stale = False
         self.rebuilds += 1
         target = max(more, 1)
         while True:  # one compiled call: the engine's state read in, the base recorded
@@ -166,10 +166,122 @@ class LiveForecaster(Forecaster):
                                                      target, self.max_steps)
             if n >= 0:
                 break
+            if rows < 0:  # (as a snapshot's replay refuses it; only a RowState can be so)
+                raise ForecastError("state: the running requests hold more KV blocks than "
+                                    f"the instance has ({self.config.usable_blocks} usable)")
             self._state = self._buffers(2 * rows)
+        self._stale = False  # (after the call: a state it refused is refused at every probe)
         self._n = n
         if code == kn.FULL:
             self._grow_record()
             code = self._record(self._state, target)
         self._ended(code)
         return self._n > 0
+
+
+class RowState:
+    """A :class:`LiveEngine` whose state is set from outside, not stepped: request rows written
+    by their owner and put in order (running, then waiting), for a forecaster kept across the
+    owner's changes — e.g. a gateway's published snapshot merged with its own dispatches
+    (:mod:`duetime.gateway.state.published`). Without prefix caching.
+
+    Its revision changes when the rows or their order do, not with :meth:`date`: forecasts
+    are measured from :attr:`time` and do not depend on it, so re-dating a state keeps its
+    base. ``snapshot``: makes the same state as a snapshot (for a forecast that needs an exact
+    replay; called only then)."""
+
+    def __init__(self, config: SchedulerConfig, model: BatchTimeModel,
+                 snapshot: Callable[[], Snapshot]) -> None:
+        if config.enable_prefix_caching:
+            raise ValueError("RowState holds no cache: it serves instances without caching")
+        self.config = config
+        self.model = model
+        self._snapshot = snapshot
+        self._req = np.zeros((0, kn.REQ_COLUMNS), dtype=np.int64)
+        self._pred = np.zeros(0, dtype=np.int64)
+        self._run = np.zeros(0, dtype=np.int64)
+        self._wq = np.zeros(0, dtype=np.int64)
+        self._st = np.zeros(kn.ST_SIZE, dtype=np.int64)
+        self._time = 0.0
+        self._revision = 0
+        self._live: LiveForecaster | None = None
+
+    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Room for ``n`` rows; returns (req, pred): a row's prompt, computed and output tokens
+        in ``req[r, PROMPT | COMP | OUTPUT]``, its predicted output length in ``pred[r]``.
+        Rows are kept (grown, never cleared) until overwritten."""
+        if n > self._req.shape[0]:
+            m = max(n, 2 * self._req.shape[0], 16)
+            req = np.zeros((m, kn.REQ_COLUMNS), dtype=np.int64)
+            req[:self._req.shape[0]] = self._req
+            pred = np.zeros(m, dtype=np.int64)
+            pred[:self._pred.shape[0]] = self._pred
+            self._req, self._pred = req, pred
+            self._run = np.zeros(m, dtype=np.int64)
+            self._wq = np.zeros(m + 1, dtype=np.int64)
+        return self._req, self._pred
+
+    def order(self, running: np.ndarray, waiting: np.ndarray, more_running: list[int] = (),
+              more_waiting: list[int] = ()) -> None:
+        """The rows in scheduler order: ``running`` rows then ``more_running``, then the
+        waiting queue from its head, ``waiting`` then ``more_waiting`` (all within
+        :meth:`rows`' room). A new revision."""
+        a, b = len(running), len(waiting)
+        nr, nw = a + len(more_running), b + len(more_waiting)
+        if nr + nw > self._req.shape[0]:
+            raise ValueError("RowState.order: more rows than its room (call rows() first)")
+        self._run[:a] = running
+        self._wq[:b] = waiting
+        if more_running:
+            self._run[a:nr] = more_running
+        if more_waiting:
+            self._wq[b:nw] = more_waiting
+        st = self._st
+        st[kn.NRUN], st[kn.WC] = nr, nw
+        self._revision += 1
+
+    def date(self, time: float) -> None:
+        """The state's clock (forecasts count from it); the base stays."""
+        self._time = time
+
+    def forecaster(self) -> LiveForecaster:
+        """The forecaster kept across changes (as :meth:`duetime.engine.engine.Engine.
+        forecaster`)."""
+        live = self._live
+        if live is None:
+            live = self._live = LiveForecaster(self)
+        return live.sync()
+
+    # -- LiveEngine -----------------------------------------------------------------------------
+
+    @property
+    def revision(self) -> tuple[int, int, float]:
+        return (self._revision, 0, 0.0)
+
+    @property
+    def time(self) -> float:
+        return self._time
+
+    @property
+    def num_running(self) -> int:
+        return int(self._st[kn.NRUN])
+
+    @property
+    def num_waiting(self) -> int:
+        return int(self._st[kn.WC])
+
+    @property
+    def cache_table(self) -> np.ndarray | None:
+        return None
+
+    def replay_state(self, sigma: float) -> tuple:
+        raise ForecastError("RowState has no prefix cache")
+
+    def replay_base(self, sigma: float, state: tuple, rec: np.ndarray, cum: np.ndarray,
+                    rec_t: np.ndarray, room: np.ndarray, target: int,
+                    max_steps: int) -> tuple[int, int, int]:
+        return kn.live_base(self._req, self._pred, self._run, self._wq, self._st, sigma, *state,
+                            rec, cum, rec_t, room, target, max_steps)
+
+    def snapshot(self) -> Snapshot:
+        return self._snapshot()

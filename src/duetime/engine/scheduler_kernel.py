@@ -174,7 +174,8 @@ def live_base(e_req, e_pred, e_run, e_wq, e_st, sigma, req, stamps, run, wq, st,
     (the running rows in order, then the waiting queue from its head), and its base recorded
     from the start by :func:`run_base` (without prefix caching). Returns run_base's (code,
     recorded count, detail), or (``FULL``, -1, rows needed) when the replay arrays are too
-    small."""
+    small, or (``FULL``, -1, -1) when the running rows hold more KV blocks than the instance
+    has (a state set from outside: :class:`~duetime.engine.live_forecast.RowState`)."""
     nrun = e_st[NRUN]
     nw = e_st[WC]
     if nrun + nw + 1 > req.shape[0]:
@@ -201,6 +202,8 @@ def live_base(e_req, e_pred, e_run, e_wq, e_st, sigma, req, stamps, run, wq, st,
         w_pred[i] = e_pred[r]
     fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
                 w_out, w_pred, cfg[BS], cfg[SHIFT], cfg[NBLOCKS], sigma, 0.0)
+    if st[FREE] < 0:
+        return FULL, -1, -1
     room[:] = 0
     return run_base(req, stamps, run, wq, st, clock, cfg, w, None, None, None, None, None, rec,
                     cum, rec_t, 0, room, target, max_steps)

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import Forecaster, forecaster
+from duetime.engine.forecasting import Forecaster
 from duetime.engine.frontend import FrontendModel
 from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import GATEWAY_TIE, InstanceStats
@@ -249,7 +249,7 @@ class InstanceState:
         else the one the shadow replica's engine keeps across decisions."""
         now = time.monotonic()
         if self._published_fresh(now):
-            return forecaster(self.published.merged(now, self.ledger))
+            return self.published.forecaster(now, self.ledger)
         return self.shadow.engine.forecaster()
 
     @property
