@@ -7,7 +7,10 @@ timing sped up ``--speed`` times, so that engine time is small beside HTTP), a d
 from this process, at each concurrency (1, 16, 64 clients in closed loop), streams the same
 requests (a short chat prompt, ``max_tokens`` 8 with ``ignore_eos``) on every path in
 alternating rounds, and prints p50 / p99 of time to first token and of the whole response, what
-each proxy adds over the direct path, and each proxy's CPU per request.
+each proxy adds over the direct path, and each proxy's CPU per request. The ``floor`` path
+is ``benchmarks/bare_proxy.py``: a pass-through proxy on duetime's HTTP stack (uvicorn with
+httptools, aiohttp to the upstream) doing nothing else — what the stack costs before duetime
+does anything (``--no-floor`` leaves it out).
 
 duetime runs its full hot path: prompt estimate, the policy (``--policy``, default ``sfs``: an
 engine-replay forecast per candidate on the published snapshot it polls every 50 ms), upstream
@@ -96,6 +99,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[str], limit_s: float = 60.0) -> None:
+    import socket
+
+    t_end = time.monotonic() + limit_s
+    while time.monotonic() < t_end and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("gateway_overhead: the floor proxy (benchmarks/bare_proxy.py) did not "
+                     "come up")
 
 
 def _start_litellm(cmd: str, backend: str, tmp: Path) -> tuple[subprocess.Popen[str], str]:
@@ -212,7 +229,7 @@ async def _measure(paths: list[Path_], n: int, rounds: int) -> list[list[str]]:
                             f"{cpu[p.name] / len(r) * 1000:.2f}"]
                 rows.append(row)
         for p in paths:  # the gateways' own routing time (arrival to dispatch), whole run
-            if p.pid is None or p.name == "litellm":
+            if p.pid is None or p.name in ("litellm", "floor"):
                 continue
             async with session.get(p.url + "/metrics") as r:
                 text = (await r.text()) if r.status == 200 else ""
@@ -300,6 +317,9 @@ def main() -> None:
                     help="LiteLLM's `litellm` command (default: $DUETIME_LITELLM or "
                     ".venv-litellm/bin/litellm if present; scripts/litellm_env.sh builds it)")
     ap.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM path")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the floor path (benchmarks/bare_proxy.py: a pass-through proxy "
+                    "on the same HTTP stack, doing nothing else)")
     ap.add_argument("--also", action="append", default=[], metavar="NAME=PYTHON",
                     help="one more duetime gateway, run by PYTHON (another checkout's venv), "
                     "as path NAME (repeatable)")
@@ -357,6 +377,13 @@ def main() -> None:
                 peer, _ = _start_duetime(["serve", "--config", str(cfg), *store])
                 procs += [shared, peer]
                 paths.append(Path_("duetime+redis", surl, shared.pid))
+            if not args.no_floor:
+                fport = _free_port()
+                procs.append(subprocess.Popen(  # type: ignore[arg-type]
+                    [sys.executable, str(REPO / "benchmarks/bare_proxy.py"), "--upstream",
+                     direct, "--port", str(fport)], stdout=subprocess.DEVNULL))
+                _wait_port(fport, procs[-1])
+                paths.append(Path_("floor", f"http://127.0.0.1:{fport}", procs[-1].pid))
             for name, python in also:
                 other, url = _start_duetime(["serve", "--config", str(cfg)], python)
                 procs.append(other)
