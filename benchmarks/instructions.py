@@ -68,7 +68,6 @@ def case_first(n: int, further: bool = False) -> int:
     """``n`` snapshots: each one's first forecast (or, with ``further``, five later probes of
     each; counted: that many calls)."""
     import forecast_speed as fs  # (this folder's: same snapshots as its first table)
-
     from duetime.engine import SchedulerConfig, Snapshot, forecast
     from duetime.engine.synthetic import paper_like_snapshot
     model = _model()
@@ -110,16 +109,16 @@ def case_live_arrival(n: int) -> int:
 def case_caching_first(n: int) -> int:
     """``n`` caching engines (as ``forecast_speed.py``'s third table, 256 seats): a snapshot
     after one step, its first forecast with a probe that shares a system prompt (counted)."""
-    import forecast_speed as fs
     import numpy as np
 
+    import forecast_speed as fs
     from duetime.engine import forecast
     model = _model()
     for seed in range(n):
         eng, systems, add = fs.caching_engine(model, 2048, 30_000, seed, seats=256)
         rng = random.Random(~seed)
 
-        def probe() -> np.ndarray:
+        def probe(rng: random.Random = rng, systems: list = systems) -> np.ndarray:
             return np.array((rng.choice(systems) + [rng.getrandbits(62) for _ in range(62)])[:62],
                             dtype=np.int64)
 

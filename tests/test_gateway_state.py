@@ -116,7 +116,8 @@ def _published_table(rng: random.Random, n: int, running: bool) -> tuple[list[st
     ids = [f"p{rng.getrandbits(24)}" for _ in range(n)]
     prompt = [rng.randint(1, 3000) for _ in range(n)]
     out = [rng.randint(1, 300) if running else 0 for _ in range(n)]
-    computed = [p + o - rng.randint(0, 1) if running else 0 for p, o in zip(prompt, out)]
+    computed = [p + o - rng.randint(0, 1) if running else 0
+                for p, o in zip(prompt, out, strict=True)]
     return ids, RequestTable(ids, prompt, computed, out, [rng.randint(1, 500) for _ in range(n)])
 
 

@@ -110,7 +110,7 @@ class PublishedSnapshots:
         key = (self._version, ledger.version)
         if key != self._rows_key:
             fresh = self._rows_key is None or self._rows_key[0] != self._version
-            if rows is None or fresh and (rows.config != pub.config or rows.model != pub.model):
+            if rows is None or (fresh and (rows.config != pub.config or rows.model != pub.model)):
                 rows = self._rows = RowState(pub.config, pub.model, self._asked_snapshot)
             self._fill(rows, pub, ledger, fresh=fresh)
             self._rows_key = key
