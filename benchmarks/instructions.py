@@ -18,7 +18,9 @@ counted):
   snapshot's own forecaster) and one probe — what ``InstanceState.forecaster()`` and the
   estimator pay;
 * ``gateway-shadow``: the same decision read from the shadow replica's engine (its own
-  forecaster after the dispatch's arrival), the source without a published snapshot.
+  forecaster after the dispatch's arrival), the source without a published snapshot;
+* ``gateway-shadow-caching``: the same on a shadow replica with prefix caching (the source
+  ``auto`` reads for a caching instance: vLLM's default), the probe with its block keys.
 
 How only the measured calls are counted: callgrind starts with counting off and toggles it on
 entering and leaving CPython's ``starmap_next`` (``--toggle-collect``), and each measured call
@@ -50,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 CASES = ("first", "further", "live-arrival", "caching-first", "gateway-published",
-         "gateway-shadow")
+         "gateway-shadow", "gateway-shadow-caching")
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 
 
@@ -192,6 +194,33 @@ def case_gateway_shadow(n: int) -> int:
     return n
 
 
+def case_gateway_shadow_caching(n: int) -> int:
+    """The gateway's decision where the instance caches prefixes (vLLM's default, and
+    ``gateway_overhead.py``'s instance): the shadow replica's caching engine, one running
+    request of a shared system prompt; ``n`` times a dispatch with its block keys (an arrival),
+    then the engine's own forecaster's probe with keys (counted), then the end (an abort)."""
+    import dataclasses
+
+    import numpy as np
+
+    from duetime.engine import Engine, load_profile
+    spec = load_profile("qwen3-8b")
+    cfg = dataclasses.replace(spec.config, enable_prefix_caching=True)
+    eng = Engine(cfg, spec.batch_time, retain_finished=False)
+    system = [random.Random(0).getrandbits(62) for _ in range(4)]
+    eng.add("r0", 80, 10_000, predicted_output_tokens=8, hashes=system)
+    eng.step()
+    probe = np.array(system, dtype=np.int64)
+    for i in range(n + 2):
+        eng.add(f"x{i}", 80, 8, predicted_output_tokens=8, hashes=system)
+        if i < 2:
+            eng.forecaster().ttft(80, probe)
+        else:
+            counted(lambda: eng.forecaster().ttft(80, probe))
+        eng.abort(f"x{i}")
+    return n
+
+
 RUNS: dict[str, tuple[Callable[[int], int], int]] = {
     "first": (case_first, 20),
     "further": (lambda n: case_first(n, further=True), 10),
@@ -199,6 +228,7 @@ RUNS: dict[str, tuple[Callable[[int], int], int]] = {
     "caching-first": (case_caching_first, 3),
     "gateway-published": (case_gateway_published, 200),
     "gateway-shadow": (case_gateway_shadow, 200),
+    "gateway-shadow-caching": (case_gateway_shadow_caching, 200),
 }
 
 
