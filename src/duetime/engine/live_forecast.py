@@ -29,7 +29,7 @@ two requests).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -221,8 +221,8 @@ class RowState:
             self._wq = np.zeros(m + 1, dtype=np.int64)
         return self._req, self._pred
 
-    def order(self, running: np.ndarray, waiting: np.ndarray, more_running: list[int] = (),
-              more_waiting: list[int] = ()) -> None:
+    def order(self, running: np.ndarray, waiting: np.ndarray,
+              more_running: Sequence[int] = (), more_waiting: Sequence[int] = ()) -> None:
         """The rows in scheduler order: ``running`` rows then ``more_running``, then the
         waiting queue from its head, ``waiting`` then ``more_waiting`` (all within
         :meth:`rows`' room). A new revision."""

@@ -97,7 +97,6 @@ class PublishedSnapshots:
         self._merged = (key, snap)
         return snap
 
-
     def forecaster(self, now: float, ledger: Ledger) -> Forecaster:
         """The forecaster of :meth:`merged`'s state, dated ``max(snapshot time, now)`` (not
         rounded to the millisecond as the merged snapshot is: its re-dating is free). Its
