@@ -195,14 +195,15 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
 
-async def _measure(paths: list[Path_], n: int, rounds: int) -> list[list[str]]:
+async def _measure(paths: list[Path_], n: int, rounds: int,
+                   concurrency: tuple[int, ...]) -> list[list[str]]:
     rows = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
         for p in paths:  # warm up every path and its connections
             await _round(session, p, 16, 64, [])
-        for conc in CONCURRENCY:
+        for conc in concurrency:
             res: dict[str, list[tuple[float, float]]] = {p.name: [] for p in paths}
             cpu = {p.name: 0.0 for p in paths}
             per = max(conc, n // rounds)
@@ -237,11 +238,30 @@ async def _measure(paths: list[Path_], n: int, rounds: int) -> list[list[str]]:
                     if ln.startswith("duetime_routing_seconds_")}
             n_ = vals.get("duetime_routing_seconds_count", 0.0)
             if n_:
-                ROUTING[p.name] = vals["duetime_routing_seconds_sum"] / n_ * 1000
+                ROUTING[p.name] = (vals["duetime_routing_seconds_sum"] / n_ * 1000,
+                                   _median_ms(text, n_))
     return rows
 
 
-ROUTING: dict[str, float] = {}  # path -> mean routing time (ms), from its /metrics
+ROUTING: dict[str, tuple[float, float]] = {}  # path -> routing time (ms) mean, median
+
+
+def _median_ms(text: str, count: float) -> float:
+    """The histogram's median, interpolated linearly inside its bucket (as PromQL's
+    histogram_quantile does): the buckets are coarse, so this is an estimate."""
+    edges = []
+    for ln in text.splitlines():
+        if ln.startswith("duetime_routing_seconds_bucket{"):
+            le = ln.split('le="', 1)[1].split('"', 1)[0]
+            edges.append((float(le), float(ln.rsplit(" ", 1)[1])))
+    lo, below = 0.0, 0.0
+    for le, cum in sorted(edges):
+        if cum >= count / 2:
+            if le == float("inf"):
+                return lo * 1000
+            return (lo + (le - lo) * (count / 2 - below) / max(cum - below, 1.0)) * 1000
+        lo, below = le, cum
+    return float("nan")
 
 
 def _default_litellm() -> str | None:
@@ -323,6 +343,12 @@ def main() -> None:
     ap.add_argument("--also", action="append", default=[], metavar="NAME=PYTHON",
                     help="one more duetime gateway, run by PYTHON (another checkout's venv), "
                     "as path NAME (repeatable)")
+    ap.add_argument("--with-policy", action="append", default=[], metavar="NAME=POLICY",
+                    help="one more duetime gateway, this checkout's, routing with POLICY, as "
+                    "path NAME (repeatable): e.g. rr=round-robin prices the decision apart "
+                    "from the rest of the hot path")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                    metavar="N[,N...]", help="client concurrencies to run (default 1,16,64)")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="a model folder whose tokenizer and chat template to time first "
                     "(default: .cache/vllm-models/tiny-small if built)")
@@ -345,6 +371,19 @@ def main() -> None:
         if not sep or not name or not Path(python).is_file():
             raise SystemExit(f"gateway_overhead: --also {item!r}: want NAME=PATH/TO/python")
         also.append((name, python))
+    with_policy = []
+    for item in args.with_policy:
+        name, sep, policy = item.partition("=")
+        if not sep or not name or not policy:
+            raise SystemExit(f"gateway_overhead: --with-policy {item!r}: want NAME=POLICY")
+        with_policy.append((name, policy))
+    try:
+        concurrency = tuple(int(c) for c in args.concurrency.split(","))
+    except ValueError:
+        raise SystemExit(f"gateway_overhead: --concurrency {args.concurrency!r}: want "
+                         "integers separated by commas") from None
+    if not concurrency or min(concurrency) < 1:
+        raise SystemExit("gateway_overhead: --concurrency: want positive integers")
     litellm = None if args.no_litellm else args.litellm
     if litellm is None and not args.no_litellm:
         print("gateway_overhead: no LiteLLM (run scripts/litellm_env.sh, or pass --litellm); "
@@ -354,10 +393,14 @@ def main() -> None:
     procs: list[subprocess.Popen[str]] = [emu]
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = Path(tmp) / "pool.yaml"
-            cfg.write_text(f"policy: {args.policy}\ninstances:\n  - name: emu\n"
-                           f"    model: {MODEL}\n    url: {direct}\n"
-                           f"    profile: {MODEL}\n    speed: {args.speed}\n")
+            def pool(policy: str) -> Path:
+                cfg = Path(tmp) / f"pool-{policy}.yaml"
+                cfg.write_text(f"policy: {policy}\ninstances:\n  - name: emu\n"
+                               f"    model: {MODEL}\n    url: {direct}\n"
+                               f"    profile: {MODEL}\n    speed: {args.speed}\n")
+                return cfg
+
+            cfg = pool(args.policy)
             gw, gateway = _start_duetime(["serve", "--config", str(cfg)])
             procs.append(gw)
             paths = [Path_("direct", direct, None), Path_("duetime", gateway, gw.pid)]
@@ -384,6 +427,10 @@ def main() -> None:
                      direct, "--port", str(fport)], stdout=subprocess.DEVNULL))
                 _wait_port(fport, procs[-1])
                 paths.append(Path_("floor", f"http://127.0.0.1:{fport}", procs[-1].pid))
+            for name, policy in with_policy:
+                other, url = _start_duetime(["serve", "--config", str(pool(policy))])
+                procs.append(other)
+                paths.append(Path_(name, url, other.pid))
             for name, python in also:
                 other, url = _start_duetime(["serve", "--config", str(cfg)], python)
                 procs.append(other)
@@ -393,7 +440,7 @@ def main() -> None:
                 procs.append(lp)
                 paths.append(Path_("litellm", lurl, lp.pid,
                                    {"authorization": f"Bearer {LITELLM_KEY}"}))
-            rows = asyncio.run(_measure(paths, args.requests, args.rounds))
+            rows = asyncio.run(_measure(paths, args.requests, args.rounds, concurrency))
     finally:
         for p in procs:
             p.terminate()
@@ -411,8 +458,9 @@ def main() -> None:
     for r in rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
     if ROUTING:
-        print("routing time, arrival to dispatch (mean, ms, the gateway's "
-              "duetime_routing_seconds): " + ", ".join(f"{k} {v:.3f}" for k, v in ROUTING.items()))
+        print("routing time, arrival to dispatch (the gateway's duetime_routing_seconds, ms, "
+              "mean / median interpolated in its buckets): "
+              + ", ".join(f"{k} {m:.3f} / {q:.3f}" for k, (m, q) in ROUTING.items()))
     print("+x: added over the direct path in the same run; proxy cpu/req: the proxy process's "
           "CPU per request through it (background scrapes and probes included).")
 
