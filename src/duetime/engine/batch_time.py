@@ -36,6 +36,11 @@ class BatchTimeModel:
 
     name: ClassVar[str] = ""
     coefficient_names: ClassVar[tuple[str, ...]] = ()
+    # what bounds each coefficient's work on a GPU, for a profile derived on other hardware
+    # (duetime.engine.derive): "step" (a step's fixed cost: host overhead plus one read of the
+    # weights), "compute" (matrix products, per token: the weights' FLOPs), "attention" (the
+    # attention's products over token pairs), "kv" (reading the KV cache, per cached token)
+    term_kinds: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", self._weights())
@@ -80,6 +85,8 @@ class Paper4(BatchTimeModel):
 
     name: ClassVar[str] = "paper4"
     coefficient_names: ClassVar[tuple[str, ...]] = ("b0", "b1", "b2", "b3")
+    term_kinds: ClassVar[dict[str, str]] = {"b0": "step", "b1": "compute", "b2": "kv",
+                                            "b3": "attention"}
 
     def _weights(self) -> tuple[float, ...]:
         return (self.b0, self.b1, self.b1, 0.0, self.b3, self.b2, 0.0, 0.0)
@@ -98,6 +105,9 @@ class Sfs6(BatchTimeModel):
 
     name: ClassVar[str] = "sfs6"
     coefficient_names: ClassVar[tuple[str, ...]] = ("c0", "cp", "cpsq", "cd", "cs", "css")
+    term_kinds: ClassVar[dict[str, str]] = {"c0": "step", "cp": "compute",
+                                            "cpsq": "attention", "cd": "compute", "cs": "kv",
+                                            "css": "attention"}
 
     def _weights(self) -> tuple[float, ...]:
         return (self.c0, self.cd, self.cp, self.cpsq, 0.0, 0.0, self.cs, self.css)

@@ -32,6 +32,9 @@ class InstanceSpec:
     description: str = ""
     # the serving frontend's costs (vLLM's API server: engine/frontend.py); None: not modelled
     frontend: FrontendModel | None = None
+    # a profile derived for hardware nobody measured (engine/derive.py): the measured profile it
+    # was scaled from; "" for a measured one
+    derived_from: str = ""
 
     def cost(self, prompt_tokens, output_tokens):
         """Cost in micro-dollars (USD per million tokens x tokens)."""
@@ -58,7 +61,7 @@ def resolve_spec(name: str, *, profile: str | None = None,
     ``config`` replacing its limits field by field. Raises ValueError naming ``where``."""
     prefix = f"{where}: " if where else ""
     model = cfg = None
-    description = ""
+    description = derived_from = ""
     if profile is not None:
         if load is None:
             from duetime.engine.profiles import load_profile as load
@@ -67,8 +70,10 @@ def resolve_spec(name: str, *, profile: str | None = None,
         except KeyError as e:
             raise ValueError(f"{prefix}{e.args[0]}") from None
         model, cfg, description = base.batch_time, base.config, base.description
+        derived_from = base.derived_from
     if batch_time is not None:
         model = model_from_dict(batch_time, f"{where}.batch_time" if where else "batch_time")
+        derived_from = ""  # the user's own batch-time model: measured, not derived
     if config is not None:
         if not isinstance(config, Mapping):
             raise ValueError(f"{prefix}config: must be a mapping of scheduler limits")
@@ -81,4 +86,4 @@ def resolve_spec(name: str, *, profile: str | None = None,
         raise ValueError(f"{prefix}needs profile (a built-in engine profile: "
                          f"{', '.join(profile_names())}) or both batch_time and config (the "
                          "instance's batch-time model and scheduler config)")
-    return InstanceSpec(name, model, cfg, description=description)
+    return InstanceSpec(name, model, cfg, description=description, derived_from=derived_from)
