@@ -217,7 +217,7 @@ def test_profiles_text(capsys):
     assert (code, err) == (0, "")
     for name in profile_names():
         p = load_profile(name)
-        assert f"{name}: {p.description}" in out
+        assert f"{name} [measured]: {p.description}" in out
         assert p.batch_time.to_dict()["model"] in out
         assert f"num_gpu_blocks={p.config.num_gpu_blocks}" in out
 

@@ -76,3 +76,17 @@ def frontend(text: str):  # -> FrontendModel
                                                 strict=False)))
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def profile(text: str) -> str:
+    """An engine profile's name: a measured one, or ``MODEL@GPU[xN]`` derived on other
+    hardware (:func:`duetime.engine.profiles.load_profile`)."""
+    from duetime.engine.profiles import load_profile
+
+    try:
+        load_profile(text)
+    except KeyError as e:
+        raise argparse.ArgumentTypeError(e.args[0]) from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import duetime
-from duetime.argtypes import count
+from duetime.argtypes import count, profile
 from duetime.engine import (
     ForecastError,
     Snapshot,
@@ -34,6 +34,7 @@ from duetime.engine import (
     load_profile,
     profile_names,
 )
+from duetime.engine.profiles import derived_profile_names
 from duetime.engine.synthetic import paper_like_snapshot
 
 PROG = "duetime"
@@ -135,9 +136,15 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
 # -- profiles -----------------------------------------------------------------------------------
 
 def _profile_dict(name: str) -> dict[str, Any]:
-    p = load_profile(name)
-    return {"name": p.name, "description": p.description, "batch_time": p.batch_time.to_dict(),
-            "config": p.config.to_dict()}
+    try:
+        p = load_profile(name)
+    except KeyError as e:
+        raise CliError(e.args[0]) from None
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return {"name": p.name, "source": "derived" if p.derived_from else "measured",
+            "derived_from": p.derived_from or None, "description": p.description,
+            "batch_time": p.batch_time.to_dict(), "config": p.config.to_dict()}
 
 
 def _pairs(d: dict[str, Any]) -> str:
@@ -145,7 +152,25 @@ def _pairs(d: dict[str, Any]) -> str:
 
 
 def _cmd_profiles(args: argparse.Namespace) -> int:
-    profiles = [_profile_dict(name) for name in profile_names()]
+    from duetime.engine.hardware import gpu, gpu_names
+
+    if args.gpus:
+        gpus = [gpu(n) for n in gpu_names()]
+        if args.json:
+            _print_json([{"name": g.name, "description": g.description,
+                          "memory_gb": g.memory_gb, "bf16_tflops": g.bf16_tflops,
+                          "bandwidth_tbps": g.bandwidth_tbps,
+                          "price_per_hour": g.price_per_hour} for g in gpus], args.indent)
+            return 0
+        print(f"{'gpu':<11} {'memory GB':>9} {'BF16 TFLOPS':>11} {'TB/s':>6} {'USD/h':>6}  "
+              "description")
+        for g in gpus:
+            print(f"{g.name:<11} {g.memory_gb:>9g} {g.bf16_tflops:>11g} {g.bandwidth_tbps:>6g} "
+                  f"{g.price_per_hour:>6.3f}  {g.description}")
+        print("(sources: src/duetime/engine/profiles/gpus.yaml)")
+        return 0
+    names = args.names or [*profile_names(), *(derived_profile_names() if args.derived else [])]
+    profiles = [_profile_dict(name) for name in names]
     if args.json:
         _print_json(profiles, args.indent)
         return 0
@@ -153,8 +178,9 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
         if i:
             print()
         bt = p["batch_time"]
-        print(f"{p['name']}: {p['description']}")
-        print(f"  batch time  {bt['model']}: {_pairs(bt['coefficients'])}")
+        print(f"{p['name']} [{p['source']}]: {p['description']}")
+        print(f"  batch time  {bt['model']}: "
+              f"{_pairs({k: f'{v:.5g}' for k, v in bt['coefficients'].items()})}")
         print(f"  config      {_pairs(p['config'])}")
     return 0
 
@@ -319,7 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("profiles", _cmd_profiles, "list the built-in instance profiles",
                 "The built-in instance profiles: a batch-time model (coefficients in seconds "
-                "per unit) with the scheduler config it was measured under.")
+                "per unit) with the scheduler config it was measured under. MODEL@GPU[xN] "
+                "names a model on other hardware (N GPUs with tensor parallelism, e.g. "
+                "qwen3-32b@l40sx2): the measured profile of that deployment, or one derived "
+                "from the model's measured profile (compute terms scaled by FLOPs, memory "
+                "terms by bandwidth, the KV cache from memory less weights; labelled "
+                "[derived]; docs/simulator.md, \"Derived profiles\").")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="the profiles to show (default: the measured ones)")
+    p.add_argument("--derived", action="store_true",
+                   help="also each model on each catalogue GPU (the fewest GPUs its weights "
+                   "fit), derived")
+    p.add_argument("--gpus", action="store_true",
+                   help="the GPU catalogue instead: memory, dense BF16 TFLOPS, bandwidth, "
+                   "list price per GPU-hour")
     p.add_argument("--json", action="store_true", help="print them as a JSON list")
     _add_indent(p)
 
@@ -341,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "(max_num_batched_tokens 8192, max_num_seqs 256, 100000 KV blocks of 16); with "
                 "--profile, that profile's model and config (its KV cache may not hold 200 "
                 "paper-like requests: lower --running).", into=snap_sub)
-    p.add_argument("--profile", choices=names, default=None, metavar="NAME",
-                   help=f"a built-in profile: {', '.join(names)}")
+    p.add_argument("--profile", type=profile, default=None, metavar="NAME",
+                   help=f"a built-in profile: {', '.join(names)}, or MODEL@GPU[xN] (derived)")
     p.add_argument("--running", type=count, default=200, metavar="N",
                    help="running requests (default 200)")
     p.add_argument("--waiting", type=count, default=20, metavar="N",
@@ -356,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "the profile's batch-time model) and print the forecast TTFT, the replayed "
                 f"steps and the time each forecast took, for probes of "
                 f"{', '.join(map(str, DEMO_PROBES))} prompt tokens.")
-    p.add_argument("--profile", choices=names, action="extend", nargs="+", default=None,
-                   metavar="NAME", help=f"only these profiles ({', '.join(names)})")
+    p.add_argument("--profile", type=profile, action="extend", nargs="+",
+                   default=None, metavar="NAME",
+                   help=f"only these profiles ({', '.join(names)}, or MODEL@GPU[xN])")
     p.add_argument("--running", type=count, default=200, metavar="N",
                    help="running requests (default 200)")
     p.add_argument("--waiting", type=count, default=20, metavar="N",

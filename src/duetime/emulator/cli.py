@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any
 
-from duetime.argtypes import frontend, port, positive_float, unit_rate
+from duetime.argtypes import frontend, port, positive_float, profile, unit_rate
 from duetime.engine.profiles import profile_names
 
 log = logging.getLogger("duetime.emulator")
@@ -74,8 +74,9 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                 "tokens come when the engine's step ends, then one token per step. Outputs "
                 "are filler tokens; their length is a seeded log-normal draw, capped by "
                 "max_tokens. See docs/gateway.md.")
-    p.add_argument("--profile", required=True, choices=names, metavar="NAME",
-                   help=f"engine profile: {', '.join(names)}")
+    p.add_argument("--profile", required=True, type=profile, metavar="NAME",
+                   help=f"engine profile: {', '.join(names)}, or MODEL@GPU[xN] for one derived "
+                   "on other hardware (duetime profiles --derived)")
     p.add_argument("--port", type=port, default=8100, metavar="P",
                    help="port (default 8100; 0 = any free port)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from duetime.engine.batch_time import BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.frontend import FrontendModel
-from duetime.engine.profiles import profile_names
+from duetime.engine.profiles import load_profile, profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
 from duetime.gateway.keys import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
@@ -116,8 +116,11 @@ class _InstanceIn(_Strict):
     @field_validator("profile")
     @classmethod
     def _profile(cls, v: str | None) -> str | None:
-        if v is not None and v not in profile_names():
-            raise ValueError(f"unknown engine profile {v!r}; built-in: {', '.join(profile_names())}")
+        if v is not None:
+            try:
+                load_profile(v)
+            except KeyError as e:
+                raise ValueError(e.args[0]) from None
         return v
 
 
