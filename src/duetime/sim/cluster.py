@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time as wallclock
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -144,10 +144,14 @@ class ClusterSim:
                  shadow_estimators: tuple[Estimator, ...] = (),
                  length_model: LengthModel | None = None,
                  prefix_caching: bool | None = None, cache_view: str = "precise",
-                 step_scale: float = 1.0) -> None:
+                 step_scale: float = 1.0,
+                 instance_specs: Mapping[str, InstanceSpec] | None = None) -> None:
         """``instances``: (instance name, model name) pairs; default the profile's
         (:meth:`~duetime.workload.profile.WorkloadProfile.instance_pairs`: one per model, or
         its ``replicas``; several pairs may name one model).
+        ``instance_specs``: instance name -> the engine it runs, where it is not its model's
+        (replicas of one model on other hardware: a capacity plan's pool); the model's prices
+        stay the profile's (they price tokens, not GPUs).
         ``quality``: ``table`` (per-task mean accuracy), ``oracle`` (the truth), or any
         :class:`~duetime.predict.QualitySource` (asked with each request's task and id).
         ``length_model``: predicted output lengths, (requests, rng) -> (n, models) array; by
@@ -190,10 +194,18 @@ class ClusterSim:
         self.prefix_caching = prefix_caching
         self.cache_view = cache_view
         self.step_scale = float(step_scale)
+        self.instance_specs = dict(instance_specs or {})
+        unknown = set(self.instance_specs) - {name for name, _ in pairs}
+        if unknown:
+            raise ValueError(f"instance_specs: no such instance(s) {sorted(unknown)}")
 
-    def spec(self, model: str) -> InstanceSpec:
-        """The spec an instance of ``model`` runs (its profile's, with ``prefix_caching``)."""
+    def spec(self, model: str, instance: str | None = None) -> InstanceSpec:
+        """The spec an instance of ``model`` runs (its own where ``instance_specs`` has one,
+        else its profile's; with ``prefix_caching``)."""
         spec = self.profile.models[model]
+        own = self.instance_specs.get(instance)
+        if own is not None:
+            spec = replace(own, price_prompt=spec.price_prompt, price_output=spec.price_output)
         on = self.prefix_caching
         if on is None or spec.config.enable_prefix_caching == on:
             return spec
@@ -217,7 +229,7 @@ class ClusterSim:
         noise_seeds = np.random.SeedSequence(self.seed).generate_state(len(self.pairs),
                                                                         np.uint64) >> 2
         clock = SimClock()  # (every instance's ``now``)
-        insts = [SimInstance(name, self.spec(m), noise=self.noise, cache_view=self.cache_view,
+        insts = [SimInstance(name, self.spec(m, name), noise=self.noise, cache_view=self.cache_view,
                              seed=int(s), step_scale=self.step_scale, clock=clock)
                  for (name, m), s in zip(self.pairs, noise_seeds, strict=True)]
         if getattr(self.policy, "uses_load_board", False):
