@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     "policy": 3,
     "emulator": 4, "sim": 4, "gateway": 4,
     "metrics": 5,
-    "experiments": 6, "service": 6,
+    "experiments": 6, "service": 6, "plan": 6,
     "cli": 7, "__main__": 8, "__init__": 8,
 }
 SIDEWAYS = {frozenset({"gateway", "emulator"})}  # same layer, never each other

@@ -69,7 +69,7 @@ def test_bad_profiles_name_the_field(tmp_path) -> None:
     with pytest.raises(ProfileError, match="tasks"):
         profile_from_dict({"models": {"m": {"profile": "qwen3-8b", "price_usd_per_mtok": {
             "prompt": 1, "output": 1}}}}, "x.yaml")
-    with pytest.raises(ProfileError, match=r"models\.m: .*unknown profile"):
+    with pytest.raises(ProfileError, match=r"models\.m: .*unknown engine profile"):
         profile_from_dict({"models": {"m": {"profile": "nope"}}, "tasks": {}}, "x.yaml")
     with pytest.raises(ProfileError, match=r"nope\.yaml"):
         load_workload(tmp_path / "nope.yaml")

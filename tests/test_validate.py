@@ -164,7 +164,7 @@ def test_server_stats_are_read_from_vllms_histograms():
 
 @pytest.mark.parametrize(("args", "message"), [
     (["ftp://x"], "URL must be an http(s) URL"),
-    (["http://127.0.0.1:9", "--profile", "nope"], "unknown profile"),
+    (["http://127.0.0.1:9", "--profile", "nope"], "unknown engine profile"),
     (["http://127.0.0.1:9", "--loads", "0,1"], "--loads"),
 ])
 def test_validate_errors_are_one_line(args, message, tmp_path, capsys):

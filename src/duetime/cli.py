@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     from duetime.calibrate.cli import add_validate_command
     add_calibrate_commands(sub, command, CliError)
     add_validate_command(sub, command, CliError)
+    from duetime.plan.cli import add_commands as add_plan_commands
+    add_plan_commands(sub, command, CliError)
     return parser
 
 

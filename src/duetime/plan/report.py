@@ -1,0 +1,186 @@
+"""A plan's outputs: ``summary.json``, ``report.md``, ``frontier.png`` (cost against the worst
+class's on-time rate of every pool simulated), and pool YAMLs ``duetime serve --config``
+accepts: ``pool.yaml`` (emulated instances) and ``pool-urls.yaml`` (a URL to fill in per
+replica)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from duetime.experiments.report import write_json
+from duetime.plan.evaluate import Outcome, Pool, pool_gpus
+from duetime.plan.problem import PlanProblem
+from duetime.plan.search import SearchResult
+
+
+def frontier(outcomes: list[Outcome]) -> list[Outcome]:
+    """The pools no other beats on both cost and worst-class attainment, cheapest first."""
+    out: list[Outcome] = []
+    for o in sorted(outcomes, key=lambda o: (o.cost, -o.worst_on_time)):
+        if not out or o.worst_on_time > out[-1].worst_on_time:
+            out.append(o)
+    return out
+
+
+def option_rows(problem: PlanProblem) -> list[dict[str, Any]]:
+    return [{"option": o.name, "model": o.model, "gpu": o.gpu, "tp": o.tp,
+             "usd_per_hour": round(problem.price(o), 4),
+             "profile": "derived" if problem.specs[o].derived_from else "measured",
+             "derived_from": problem.specs[o].derived_from or None} for o in problem.options]
+
+
+def summary(problem: PlanProblem, result: SearchResult) -> dict[str, Any]:
+    c = problem.constraints
+    return {
+        "workload": problem.workload_source, "rate": problem.rate, "router": problem.router,
+        "router_params": problem.params, "seed": problem.seed,
+        "constraints": {"on_time": c.on_time, "quality": c.quality, "budget": c.budget},
+        "options": option_rows(problem),
+        "best": None if result.best is None else result.best.as_dict(),
+        "search": {"simulations": result.simulations, "pools_considered":
+                   result.pools_considered, "pruned": result.pruned,
+                   "pools_simulated": len(result.outcomes),
+                   "simulated_requests": sum(o.requests for o in result.outcomes),
+                   "wall_s": round(result.wall_s, 2)},
+        "frontier": [o.as_dict() for o in frontier(result.outcomes)],
+        "simulated": [o.as_dict() for o in sorted(result.outcomes, key=lambda o: o.cost)],
+    }
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
+def pool_config(problem: PlanProblem, pool: Pool, *, urls: bool = False) -> dict[str, Any]:
+    """A pool config for ``duetime serve --config``: each deployment an instance group of its
+    replicas, with its (measured or derived) profile; emulated, or URL placeholders."""
+    router: Any = problem.router if not problem.params else {"name": problem.router,
+                                                            **problem.params}
+    t = problem.workload.target
+    cfg: dict[str, Any] = {
+        "policy": router, "lambda": problem.workload.lam,
+        "quality": {"workload": problem.workload_source},
+        "ttft_target": {"base_ms": t.base_ms, "per_prompt_token_ms": t.per_prompt_token_ms,
+                        "min_ms": t.clip_ms[0], "max_ms": t.clip_ms[1]},
+        "instances": []}
+    seed = 0
+    for opt, r in pool:
+        name = _slug(opt.name.replace("@", "-"))
+        base = {"model": opt.model, "profile": opt.name}
+        if urls:
+            for k in range(r):
+                cfg["instances"].append({"name": f"{name}-{k}", **base,
+                                         "url": f"http://{name}-{k}.invalid:8000"})
+        else:
+            cfg["instances"].append({"name": name, **base, "replicas": r,
+                                     "emulate": {"seed": seed}})
+            seed += r
+    return cfg
+
+
+def _header(problem: PlanProblem, pool: Pool, urls: bool) -> str:
+    what = ("one URL per replica: replace each http://....invalid:8000 with your instance's"
+            if urls else "emulated instances (duetime serve --config this file)")
+    derived = [o.name for o, _ in pool if problem.specs[o].derived_from]
+    note = (f"# derived profiles (scaled from a measured one, docs/simulator.md): "
+            f"{', '.join(derived)}\n" if derived else "")
+    return (f"# duetime plan: the cheapest pool found for {problem.workload_source} at "
+            f"{problem.rate:g} q/s, router {problem.router}\n# {what}\n{note}")
+
+
+def frontier_plot(path: Path, problem: PlanProblem, result: SearchResult) -> None:
+    from duetime.experiments.report import plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    outs = result.outcomes
+    ok = [o for o in outs if o.meets]
+    bad = [o for o in outs if not o.meets]
+    ax.scatter([o.cost for o in bad], [o.worst_on_time for o in bad], s=14, c="#bbbbbb",
+               label="simulated, misses a constraint")
+    ax.scatter([o.cost for o in ok], [o.worst_on_time for o in ok], s=18, c="#1f77b4",
+               label="simulated, meets them")
+    front = frontier(outs)
+    ax.step([o.cost for o in front], [o.worst_on_time for o in front], where="post",
+            c="#ff7f0e", label="cost-attainment frontier")
+    floor = min(problem.constraints.on_time.values())
+    ax.axhline(floor, ls="--", c="#999999", lw=1)
+    if result.best is not None:
+        ax.scatter([result.best.cost], [result.best.worst_on_time], s=90, marker="*",
+                   c="#d62728", label="the plan", zorder=5)
+    ax.set_xlabel("pool cost (USD per hour)")
+    ax.set_ylabel("on-time rate of the worst class")
+    ax.set_title(f"{problem.workload_source} at {problem.rate:g} q/s, router {problem.router}")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report_md(problem: PlanProblem, result: SearchResult, data: dict[str, Any]) -> str:
+    c = problem.constraints
+    lines = [f"# duetime plan: {problem.workload_source} at {problem.rate:g} q/s", "",
+             f"Router in the loop: `{problem.router}`. Constraints: on time "
+             + ", ".join(f"{k} >= {v:g}" for k, v in c.on_time.items())
+             + (f"; mean quality >= {c.quality:g}" if c.quality is not None else "")
+             + (f"; budget <= {c.budget:g} USD/h" if c.budget is not None else "") + ".", ""]
+    best = result.best
+    if best is None:
+        lines += ["**No pool of the space meets the constraints** (more replicas: "
+                  "`--max-replicas`; other deployments: `--options`; a lower floor).", ""]
+    else:
+        lines += ["## The pool", "", "| deployment | replicas | GPUs | USD/h | profile |",
+                  "|---|---|---|---|---|"]
+        for o, r in best.pool:
+            spec = problem.specs[o]
+            prof = f"derived from {spec.derived_from}" if spec.derived_from else "measured"
+            lines.append(f"| {o.name} | {r} | {r * o.tp} | {r * problem.price(o):.2f} | "
+                         f"{prof} |")
+        lines += [f"| **total** | {sum(r for _, r in best.pool)} | {pool_gpus(best.pool)} | "
+                  f"**{best.cost:.2f}** | |", "",
+                  "Predicted (simulated on the plan's stream, "
+                  f"{best.requests} requests; 95% intervals by batch means):", "",
+                  "| class | on time | floor |", "|---|---|---|"]
+        for k, v in best.on_time.items():
+            lines.append(f"| {k} | {v:.3f} ± {best.half_width[k]:.3f} | {c.on_time[k]:g} |")
+        lines += ["", f"Mean quality {best.quality:.3f}, utility {best.utility:.3f}, "
+                  f"OnTimeUtility {best.ontime_utility:.3f}, p90 TTFT "
+                  f"{best.p90_ttft_s * 1000:.0f} ms.", ""]
+    s = data["search"]
+    lines += ["## The search", "",
+              f"{s['pools_considered']} pools considered in order of cost; "
+              f"{sum(s['pruned'].values())} ruled out by bounds without a simulation ("
+              + ", ".join(f"{k} {v}" for k, v in s["pruned"].items())
+              + f"); {s['pools_simulated']} simulated in {s['simulations']} runs "
+              f"({s['simulated_requests']} requests), {s['wall_s']:.1f} s.", "",
+              "## Deployments", "", "| option | USD/h | profile |", "|---|---|---|"]
+    for row in data["options"]:
+        prof = (f"derived from {row['derived_from']}" if row["derived_from"] else "measured")
+        lines.append(f"| {row['option']} | {row['usd_per_hour']:.3f} | {prof} |")
+    lines += ["", "Derived profiles are scaled from a measured one (docs/simulator.md, "
+              "\"Derived profiles\"): measure the real deployment with `duetime calibrate` "
+              "before you buy it.", "", "## Frontier", "",
+              "![frontier](frontier.png)", "", "| USD/h | pool | worst class on time | quality |",
+              "|---|---|---|---|"]
+    for o in frontier(result.outcomes):
+        label = " + ".join(f"{r} x {x.name}" for x, r in o.pool)
+        lines.append(f"| {o.cost:.2f} | {label} | {o.worst_on_time:.3f} | {o.quality:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_plan(out: Path, problem: PlanProblem, result: SearchResult) -> dict[str, Any]:
+    """Everything a plan writes into ``out``; returns the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = summary(problem, result)
+    write_json(out / "summary.json", data)
+    (out / "report.md").write_text(report_md(problem, result, data))
+    frontier_plot(out / "frontier.png", problem, result)
+    if result.best is not None:
+        for name, urls in (("pool.yaml", False), ("pool-urls.yaml", True)):
+            body = yaml.safe_dump(pool_config(problem, result.best.pool, urls=urls),
+                                  sort_keys=False)
+            (out / name).write_text(_header(problem, result.best.pool, urls) + body)
+    return data
