@@ -11,7 +11,7 @@ import pytest
 from duetime.cli import main
 from duetime.engine.hardware import Option
 from duetime.plan.bounds import feasible_split, idle_ttft, work_seconds
-from duetime.plan.evaluate import Evaluator, pool_cost
+from duetime.plan.evaluate import Evaluator, pool_cost, pool_gpus
 from duetime.plan.problem import PlanError, problem_from_dict
 from duetime.plan.search import Space, enumerate_grid, search
 
@@ -202,3 +202,83 @@ def test_the_simulator_runs_each_replica_on_its_own_engine():
     with pytest.raises(ValueError, match="no such instance"):
         ClusterSim(p.workload, None, instances=[("a", "qwen3-8b")],
                    instance_specs={"b": p.specs[Option("qwen3-8b", "l4")]})
+
+
+# -- schedules ----------------------------------------------------------------------------------
+
+def test_a_diurnal_day_has_its_peak_and_trough_where_asked():
+    from duetime.plan.rates import diurnal
+
+    day = diurnal(12.0, 3.0, interval_s=900, peak_hour=14)
+    assert len(day) == 96 and sum(iv.duration_s for iv in day) == 86400
+    top = max(day, key=lambda iv: iv.rate)
+    low = min(day, key=lambda iv: iv.rate)
+    assert 13.5 <= top.start_s / 3600 <= 14 and 1.5 <= low.start_s / 3600 <= 2
+    assert 11.9 < top.rate <= 12 and 3 <= low.rate < 3.1
+    # interval means: the day's mean is the cosine's, (peak + trough) / 2
+    assert np.mean([iv.rate for iv in day]) == pytest.approx(7.5)
+
+
+def test_rate_levels_round_up():
+    from duetime.plan.rates import level
+
+    for r in (0.3, 1.0, 4.2, 8.6, 12.0):
+        lv = level(r, 0.1)
+        assert r <= lv < r * 1.1 + 1e-9
+    assert level(1.1 ** 7, 0.1) == pytest.approx(1.1 ** 7)
+
+
+def test_a_rate_trace_is_read_and_checked(tmp_path):
+    from duetime.plan.rates import read_rates
+
+    f = tmp_path / "rates.csv"
+    f.write_text("start_s,rate\n0,2\n600,5\n900,3\n")
+    got = read_rates(f)
+    assert [(iv.start_s, iv.duration_s, iv.rate) for iv in got] == [
+        (0, 600, 2), (600, 300, 5), (900, 300, 3)]
+    for text, message in [("start_s,rate\n0,2\n", "two rows"), ("a,b\n0,1\n1,2\n", "columns"),
+                          ("start_s,rate\n0,2\n0,3\n", "increase"),
+                          ("start_s,rate\n0,2\n10,-1\n", "positive"),
+                          ("start_s,rate\n0,x\n10,1\n", "numbers")]:
+        f.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_rates(f)
+
+
+def test_a_schedule_pays_for_scale_ups_and_beats_the_static_peak(tmp_path):
+    from duetime.plan.schedule import plan_schedule
+
+    (tmp_path / "rates.csv").write_text("start_s,rate\n0,1\n3600,6\n7200,1\n")
+    p = problem_from_dict({"rate": 1, "options": MEASURED, "max_replicas": 3, "requests": 600,
+                           "max_requests": 1200, "schedule": {"trace": "rates.csv",
+                                                              "scale_up_delay_s": 120},
+                           "constraints": {"on_time": 0.95, "quality": 0.8}},
+                          "plan.yaml", tmp_path)
+    assert p.rate == 6  # the peak
+    s = plan_schedule(p)
+    low, high, again = s.pools
+    assert low is not None and high is not None and again is low
+    assert high.cost > low.cost
+    assert s.peak.best.pool == high.pool
+    # GPU-hours: each hour's pool, plus the replicas added at 1 h paid 120 s ahead
+    added = sum(max(0, r - dict(low.pool).get(o, 0)) * o.tp for o, r in high.pool)
+    want = (2 * pool_gpus(low.pool) + pool_gpus(high.pool)) + added * 120 / 3600
+    assert s.gpu_hours() == pytest.approx(want)
+    assert s.static_gpu_hours() == pytest.approx(3 * pool_gpus(high.pool))
+    assert s.gpu_hours() < s.static_gpu_hours()
+
+
+def test_cli_plans_a_day(tmp_path, capsys):
+    out = tmp_path / "day"
+    code = main(["plan", "--diurnal", "6,1.5", "--interval-min", "240", "--options",
+                 ",".join(MEASURED), "--quality", "0.8", "--requests", "600", "--max-replicas",
+                 "3", "--out", str(out)])
+    stdout, _ = capsys.readouterr()
+    assert code == 0, stdout
+    data = json.loads((out / "summary.json").read_text())
+    assert len(data["intervals"]) == 6 and data["unplanned_intervals"] == 0
+    assert 0 < data["gpu_hours_vs_static_peak"] <= 1 and 0 < data["cost_vs_static_peak"] <= 1
+    assert (out / "schedule.png").stat().st_size > 1000
+    assert len((out / "schedule.csv").read_text().splitlines()) == 7
+    assert "static peak pool" in (out / "report.md").read_text()
+    assert main(["plan", "--diurnal", "1,3", "--out", str(out)]) == 2

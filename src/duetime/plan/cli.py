@@ -66,8 +66,35 @@ def plan_input(args: argparse.Namespace) -> dict[str, Any]:
             cons[key] = v
     if cons:
         data["constraints"] = cons
-    data.setdefault("rate", 8.6)
+    if args.objective is not None:
+        data["objective"] = args.objective
+    sched = dict(data.get("schedule") or {})
+    if args.diurnal is not None:
+        sched["diurnal"] = {**(sched.get("diurnal") or {}), "peak": args.diurnal[0],
+                            "trough": args.diurnal[1]}
+        sched.pop("trace", None)
+    if args.rate_trace is not None:
+        sched["trace"] = str(Path(args.rate_trace).resolve())
+        sched.pop("diurnal", None)
+    if args.interval_min is not None:
+        sched["interval_min"] = args.interval_min
+    if args.scale_up_delay is not None:
+        sched["scale_up_delay_s"] = args.scale_up_delay
+    if sched:
+        data["schedule"] = sched
+    elif "rate" not in data:
+        data["rate"] = 8.6
     return data
+
+
+def _pair(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want PEAK,TROUGH (q/s), got {text!r}") from None
+    if not 0 < b <= a:
+        raise argparse.ArgumentTypeError(f"want 0 < TROUGH <= PEAK, got {text!r}")
+    return a, b
 
 
 def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
@@ -84,6 +111,8 @@ def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
     print(f"plan: {len(problem.options)} deployments ({', '.join(o.name for o in problem.options)}),"
           f" up to {problem.max_replicas} replicas each; {problem.rate:g} q/s, router "
           f"{problem.router}", file=sys.stderr)
+    if problem.intervals:
+        return _schedule(args, problem)
     result = (enumerate_grid if args.grid else search)(problem)
     data = write_plan(Path(args.out), problem, result)
     best = result.best
@@ -98,6 +127,23 @@ def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
           f"({s['simulations']} runs, {s['wall_s']:.1f} s); wrote {args.out}/report.md, "
           "summary.json, frontier.png" + (", pool.yaml, pool-urls.yaml" if best else ""))
     return 0 if best is not None else 1
+
+
+def _schedule(args: argparse.Namespace, problem) -> int:
+    from duetime.plan.report import write_schedule
+    from duetime.plan.schedule import plan_schedule
+
+    sched = plan_schedule(problem, progress=lambda m: print(f"  {m}", file=sys.stderr))
+    data = write_schedule(Path(args.out), problem, sched)
+    if data["static_gpu_hours"] is None:
+        print("no pool meets the constraints at the peak rate (see report.md)")
+        return 1
+    print(f"schedule: {data['gpu_hours']:.1f} GPU-hours, {data['cost_usd']:.2f} USD against "
+          f"the static peak pool's {data['static_gpu_hours']:.1f} GPU-hours, "
+          f"{data['static_cost_usd']:.2f} USD (x{data['gpu_hours_vs_static_peak']:.3f} GPU-hours,"
+          f" x{data['cost_vs_static_peak']:.3f} cost); {data['search']['levels']} rate levels "
+          f"planned; wrote {args.out}/report.md, summary.json, schedule.csv, schedule.png")
+    return 0 if data["unplanned_intervals"] == 0 else 1
 
 
 def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
@@ -145,6 +191,17 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed (default 0)")
     p.add_argument("--quick", action="store_true",
                    help="shorter simulations (1000 requests) and up to 3 replicas (seconds)")
+    p.add_argument("--objective", choices=["cost", "gpus"], default=None,
+                   help="what to minimise: USD per hour (default) or GPUs")
+    p.add_argument("--diurnal", type=_pair, default=None, metavar="PEAK,TROUGH",
+                   help="plan a day: the rate a cosine from TROUGH to PEAK q/s (peak at 14 h), "
+                   "a pool per interval, against the static peak pool")
+    p.add_argument("--rate-trace", default=None, metavar="FILE",
+                   help="plan a trace of rates instead: CSV with start_s and rate columns")
+    p.add_argument("--interval-min", type=positive_float, default=None, metavar="M",
+                   help="a schedule's interval (default 15 minutes)")
+    p.add_argument("--scale-up-delay", type=float, default=None, metavar="S",
+                   help="seconds a new replica costs before it serves (default 60)")
     p.add_argument("--grid", action="store_true",
                    help="simulate every pool of the space instead of searching (slow; the "
                    "reference the search is tested against)")

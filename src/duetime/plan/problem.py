@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from duetime.engine.hardware import Option, gpu, gpu_names
 from duetime.engine.profiles import load_profile, measured_option
 from duetime.engine.spec import InstanceSpec, resolve_spec
+from duetime.plan.rates import Interval, diurnal, read_rates
 from duetime.policy.registry import PolicyError, check_params, policy_names
 from duetime.workload import WorkloadProfile, load_workload
 from duetime.workload.profile import ProfileError, builtin_profiles
@@ -47,6 +48,11 @@ class PlanProblem:
     seed: int = 0
     prices: dict[str, float] = field(default_factory=dict)  # USD per GPU-hour, by GPU
     workload_source: str = "paper"   # the workload's built-in name or its file's path
+    # a rate that changes (plan/schedule.py): intervals, and what adding a replica costs
+    intervals: tuple[Interval, ...] = ()
+    scale_up_delay_s: float = 60.0
+    schedule_source: str = ""        # how the intervals were made, for the report
+    objective: str = "cost"          # what the search minimises: "cost" (USD/h) or "gpus"
 
     @property
     def classes(self) -> list[str]:
@@ -81,9 +87,25 @@ class _OptionIn(_Strict):
     profile: str
 
 
+class _DiurnalIn(_Strict):
+    peak: float = Field(gt=0)
+    trough: float = Field(gt=0)
+    peak_hour: float = Field(14.0, ge=0, lt=24)
+    hours: float = Field(24.0, gt=0, le=24 * 31)
+
+
+class _ScheduleIn(_Strict):
+    diurnal: _DiurnalIn | None = None
+    trace: str | None = None           # CSV: start_s, rate
+    interval_min: float = Field(15.0, gt=0)
+    scale_up_delay_s: float = Field(60.0, ge=0)
+
+
 class _ProblemIn(_Strict):
     workload: str = "paper"
-    rate: float = Field(gt=0)
+    rate: float | None = Field(default=None, gt=0)
+    schedule: _ScheduleIn | None = None
+    objective: Literal["cost", "gpus"] = "cost"
     options: list[str | _OptionIn] | None = None
     gpus: list[str] | None = None
     router: str | dict[str, Any] = "sfs"
@@ -236,12 +258,43 @@ def problem_from_dict(data: Any, source: str = "plan", base: Path | None = None)
         raise PlanError(f"{source}: constraints.on_time: floors must be in [0, 1]")
     if spec.max_requests < spec.requests:
         raise PlanError(f"{source}: max_requests: below requests ({spec.requests})")
+    intervals, how, delay = _intervals(spec.schedule, source, base)
+    rate = max(iv.rate for iv in intervals) if intervals else spec.rate
+    if rate is None:
+        raise PlanError(f"{source}: rate: missing (requests per second; or a schedule)")
     return PlanProblem(
-        workload=workload, rate=spec.rate, options=tuple(options), specs=specs,
+        workload=workload, rate=rate, options=tuple(options), specs=specs,
         constraints=Constraints(floors, spec.constraints.quality, spec.constraints.budget),
         router=router, params=params, requests=spec.requests, max_requests=spec.max_requests,
         max_replicas=spec.max_replicas, seed=spec.seed, prices=dict(spec.prices),
-        workload_source=wl_name if wl_name in builtin_profiles() else str(Path(wl_name).resolve()))
+        workload_source=wl_name if wl_name in builtin_profiles() else str(Path(wl_name).resolve()),
+        intervals=tuple(intervals), scale_up_delay_s=delay, schedule_source=how,
+        objective=spec.objective)
+
+
+def _intervals(sched: _ScheduleIn | None, source: str,
+               base: Path | None) -> tuple[list[Interval], str, float]:
+    """A schedule's intervals, how they were made, and its scale-up delay."""
+    if sched is None:
+        return [], "", 60.0
+    if (sched.diurnal is None) == (sched.trace is None):
+        raise PlanError(f"{source}: schedule: give exactly one of diurnal and trace")
+    try:
+        if sched.diurnal is not None:
+            d = sched.diurnal
+            ivs = diurnal(d.peak, d.trough, hours=d.hours, interval_s=sched.interval_min * 60,
+                          peak_hour=d.peak_hour)
+            how = (f"diurnal: {d.trough:g} to {d.peak:g} q/s (peak at {d.peak_hour:g} h) over "
+                   f"{d.hours:g} h in {sched.interval_min:g}-minute intervals")
+        else:
+            path = Path(sched.trace)
+            if base is not None and not path.is_absolute():
+                path = base / path
+            ivs = read_rates(path)
+            how = f"trace {sched.trace}: {len(ivs)} intervals"
+    except ValueError as e:
+        raise PlanError(f"{source}: schedule: {e}") from None
+    return ivs, how, sched.scale_up_delay_s
 
 
 def load_problem(path: str | Path) -> PlanProblem:

@@ -1,7 +1,8 @@
 """A plan's outputs: ``summary.json``, ``report.md``, ``frontier.png`` (cost against the worst
 class's on-time rate of every pool simulated), and pool YAMLs ``duetime serve --config``
 accepts: ``pool.yaml`` (emulated instances) and ``pool-urls.yaml`` (a URL to fill in per
-replica)."""
+replica). A schedule's: its intervals' pools (``schedule.csv``, ``schedule.png``) and GPU-hours
+against the static peak pool."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import yaml
 from duetime.experiments.report import write_json
 from duetime.plan.evaluate import Outcome, Pool, pool_gpus
 from duetime.plan.problem import PlanProblem
+from duetime.plan.rates import level
+from duetime.plan.schedule import STEP, ScheduleResult
 from duetime.plan.search import SearchResult
 
 
@@ -183,4 +186,105 @@ def write_plan(out: Path, problem: PlanProblem, result: SearchResult) -> dict[st
             body = yaml.safe_dump(pool_config(problem, result.best.pool, urls=urls),
                                   sort_keys=False)
             (out / name).write_text(_header(problem, result.best.pool, urls) + body)
+    return data
+
+
+def schedule_summary(problem: PlanProblem, sched: ScheduleResult) -> dict[str, Any]:
+    static_gpu_h = sched.static_gpu_hours()
+    peak = sched.peak.best
+    static_cost = None if peak is None else peak.cost * sched.hours
+    gpu_h, cost = sched.gpu_hours(), sched.cost(problem)
+    return {
+        "schedule": problem.schedule_source, "hours": round(sched.hours, 4),
+        "scale_up_delay_s": sched.delay_s, "objective": problem.objective,
+        "intervals": [{"start_s": iv.start_s, "duration_s": iv.duration_s,
+                       "rate": round(iv.rate, 4), "planned_for": round(level(iv.rate, STEP), 4),
+                       "pool": None if o is None else {x.name: r for x, r in o.pool},
+                       "cost_per_hour": None if o is None else round(o.cost, 4),
+                       "gpus": None if o is None else pool_gpus(o.pool),
+                       "worst_on_time": None if o is None else round(o.worst_on_time, 4)}
+                      for iv, o in zip(sched.intervals, sched.pools, strict=True)],
+        "unplanned_intervals": sum(o is None for o in sched.pools),
+        "gpu_hours": round(gpu_h, 3), "cost_usd": round(cost, 3),
+        "static_peak_pool": None if peak is None else peak.as_dict(),
+        "static_gpu_hours": static_gpu_h, "static_cost_usd": (
+            None if static_cost is None else round(static_cost, 3)),
+        "gpu_hours_vs_static_peak": (None if not static_gpu_h else round(gpu_h / static_gpu_h, 4)),
+        "cost_vs_static_peak": (None if not static_cost else round(cost / static_cost, 4)),
+        "levels": {f"{lv:.4g}": (None if r.best is None else r.best.as_dict())
+                   for lv, r in sched.levels.items()},
+        "search": {"simulations": sum(r.simulations for r in sched.levels.values()),
+                   "levels": len(sched.levels)},
+    }
+
+
+def schedule_plot(path: Path, problem: PlanProblem, sched: ScheduleResult) -> None:
+    from duetime.experiments.report import plt
+
+    hours = [iv.start_s / 3600 for iv in sched.intervals]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.step(hours, [iv.rate for iv in sched.intervals], where="post", c="#1f77b4",
+            label="rate (q/s)")
+    ax.set_xlabel("hour")
+    ax.set_ylabel("requests per second")
+    ax2 = ax.twinx()
+    ax2.step(hours, [0 if o is None else pool_gpus(o.pool) for o in sched.pools], where="post",
+             c="#ff7f0e", label="GPUs of the planned pool")
+    peak = sched.peak.best
+    if peak is not None:
+        ax2.axhline(pool_gpus(peak.pool), ls="--", c="#999999", lw=1, label="static peak pool")
+    ax2.set_ylabel("GPUs")
+    ax2.set_ylim(bottom=0)
+    lines = ax.get_legend_handles_labels()
+    lines2 = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
+    ax.set_title(f"{problem.workload_source}: {problem.schedule_source}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_schedule(out: Path, problem: PlanProblem, sched: ScheduleResult) -> dict[str, Any]:
+    """A schedule's outputs in ``out``: summary.json, report.md, schedule.png, schedule.csv,
+    and the static peak pool's pool YAMLs."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = schedule_summary(problem, sched)
+    write_json(out / "summary.json", data)
+    with (out / "schedule.csv").open("w") as f:
+        f.write("start_s,duration_s,rate,planned_for,cost_per_hour,gpus,pool\n")
+        for row in data["intervals"]:
+            pool = ";".join(f"{k}={v}" for k, v in (row["pool"] or {}).items())
+            f.write(f"{row['start_s']:g},{row['duration_s']:g},{row['rate']},"
+                    f"{row['planned_for']},{row['cost_per_hour']},{row['gpus']},{pool}\n")
+    schedule_plot(out / "schedule.png", problem, sched)
+    lines = [f"# duetime plan: {problem.workload_source}, a schedule", "",
+             f"{problem.schedule_source}; router `{problem.router}`; objective "
+             f"{problem.objective}; a new replica costs from {sched.delay_s:g} s before its "
+             "interval (loading, warm-up); transitions are not simulated.", "",
+             "![schedule](schedule.png)", "",
+             "| | GPU-hours | USD |", "|---|---|---|",
+             f"| schedule | {data['gpu_hours']:.1f} | {data['cost_usd']:.2f} |"]
+    if data["static_gpu_hours"] is not None:
+        lines.append(f"| static peak pool | {data['static_gpu_hours']:.1f} | "
+                     f"{data['static_cost_usd']:.2f} |")
+        lines.append(f"| ratio | {data['gpu_hours_vs_static_peak']:.3f} | "
+                     f"{data['cost_vs_static_peak']:.3f} |")
+    if data["unplanned_intervals"]:
+        lines.append(f"\n**{data['unplanned_intervals']} intervals have no pool that meets the "
+                     "constraints.**")
+    lines += ["", "## Pools by rate level", "", "| planned for (q/s) | pool | USD/h | GPUs |",
+              "|---|---|---|---|"]
+    for lv, r in sched.levels.items():
+        best = r.best
+        label = "(none)" if best is None else " + ".join(f"{n} x {o.name}" for o, n in best.pool)
+        lines.append(f"| {lv:.3g} | {label} | "
+                     f"{'' if best is None else f'{best.cost:.2f}'} | "
+                     f"{'' if best is None else pool_gpus(best.pool)} |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    if peak_best := sched.peak.best:
+        for name, urls in (("pool.yaml", False), ("pool-urls.yaml", True)):
+            body = yaml.safe_dump(pool_config(problem, peak_best.pool, urls=urls),
+                                  sort_keys=False)
+            (out / name).write_text(_header(problem, peak_best.pool, urls)
+                                    + "# (the static peak pool of the schedule)\n" + body)
     return data

@@ -1,9 +1,9 @@
 """Finding the cheapest pool that meets a plan's constraints, without enumerating.
 
 The space: for each model, one deployment (GPU and tensor-parallel size) or none, and a replica
-count up to ``max_replicas``; pools are walked in order of cost (best first from the empty
-pool, each step one replica more), so the first pool that meets the constraints is the
-cheapest that does. A pool is simulated only when the bounds (:mod:`duetime.plan.bounds`) let
+count up to ``max_replicas``; pools are walked in order of cost (or of GPUs: ``objective``;
+best first from the empty pool, each step one replica more), so the first pool that meets the
+constraints is the cheapest that does. A pool is simulated only when the bounds (:mod:`duetime.plan.bounds`) let
 it through: every class's idle attainment and the quality bound at least their floors, and a
 split of the traffic over its deployments that saturates none of them (each deployment's
 capacity from its profile, Mélange's program relaxed) and meets the quality floor. The bounds
@@ -27,7 +27,7 @@ from duetime.plan.bounds import (
     quality_bound,
     work_seconds,
 )
-from duetime.plan.evaluate import Evaluator, Outcome, Pool, pool_cost
+from duetime.plan.evaluate import Evaluator, Outcome, Pool, pool_cost, pool_gpus
 from duetime.plan.problem import PlanProblem
 
 
@@ -119,6 +119,13 @@ class Bounds:
         return ""
 
 
+def objective_key(problem: PlanProblem, pool: Pool) -> tuple[float, float]:
+    """What the search minimises: cost then GPUs (``objective: cost``), or GPUs then cost.
+    Both grow with every replica added, so the walk from the empty pool is in this order."""
+    cost, gpus = pool_cost(pool, problem), float(pool_gpus(pool))
+    return (gpus, cost) if problem.objective == "gpus" else (cost, gpus)
+
+
 def search(problem: PlanProblem, ev: Evaluator | None = None) -> SearchResult:
     """The cheapest pool that meets the constraints (see the module doc)."""
     t0 = time.perf_counter()
@@ -127,16 +134,17 @@ def search(problem: PlanProblem, ev: Evaluator | None = None) -> SearchResult:
     bounds = Bounds(ev)
     budget = problem.constraints.budget
     start = space.start()
-    heap: list[tuple[float, tuple]] = [(0.0, start)]
+    heap: list[tuple[tuple[float, float], tuple]] = [((0.0, 0.0), start)]
     seen = {start}
-    pruned = {"idle attainment": 0, "quality": 0, "saturation": 0}
+    pruned = {"budget": 0, "idle attainment": 0, "quality": 0, "saturation": 0}
     considered = 0
     best = None
     while heap:
-        cost, state = heapq.heappop(heap)
-        if budget is not None and cost > budget:
-            break
+        _, state = heapq.heappop(heap)
         pool = space.pool(state)
+        if budget is not None and pool_cost(pool, problem) > budget:
+            pruned["budget"] += 1  # (and every pool above it: they cost more)
+            continue
         if pool:
             considered += 1
             why = bounds.why_not(pool)
@@ -150,17 +158,19 @@ def search(problem: PlanProblem, ev: Evaluator | None = None) -> SearchResult:
         for nxt in space.successors(state):
             if nxt not in seen:
                 seen.add(nxt)
-                heapq.heappush(heap, (pool_cost(space.pool(nxt), problem), nxt))
+                heapq.heappush(heap, (objective_key(problem, space.pool(nxt)), nxt))
     return SearchResult(best, ev.simulations, considered, pruned,
                         time.perf_counter() - t0, list(ev.outcomes.values()))
 
 
 def enumerate_grid(problem: PlanProblem, ev: Evaluator | None = None) -> SearchResult:
-    """Every pool of the space simulated; the cheapest that meets the constraints."""
+    """Every pool of the space simulated; the best (by the objective) that meets the
+    constraints."""
     t0 = time.perf_counter()
     ev = ev or Evaluator(problem)
     space = Space(problem)
     outs = [ev.evaluate(space.pool(s)) for s in space.all_states()]
     ok = [o for o in outs if o.meets]
-    best = min(ok, key=lambda o: (o.cost, [(x.name, r) for x, r in o.pool])) if ok else None
+    best = min(ok, key=lambda o: (objective_key(problem, o.pool),
+                                  [(x.name, r) for x, r in o.pool])) if ok else None
     return SearchResult(best, ev.simulations, len(outs), {}, time.perf_counter() - t0, outs)
