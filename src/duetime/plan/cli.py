@@ -55,6 +55,8 @@ def plan_input(args: argparse.Namespace) -> dict[str, Any]:
         v = getattr(args, key)
         if v is not None:
             data[key] = v
+    if args.requests is not None:  # (room to lengthen its runs: --quick's cap is lower)
+        data["max_requests"] = max(int(data.get("max_requests", 0)), 4 * args.requests)
     if args.options is not None:
         data["options"] = args.options
     if args.price:
