@@ -114,7 +114,7 @@ def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
           f" up to {problem.max_replicas} replicas each; {problem.rate:g} q/s, router "
           f"{problem.router}", file=sys.stderr)
     if problem.intervals:
-        return _schedule(args, problem)
+        return _schedule(args, problem, error)
     result = (enumerate_grid if args.grid else search)(problem)
     data = write_plan(Path(args.out), problem, result)
     best = result.best
@@ -131,11 +131,20 @@ def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
     return 0 if best is not None else 1
 
 
-def _schedule(args: argparse.Namespace, problem) -> int:
+def _schedule(args: argparse.Namespace, problem, error: type[Exception]) -> int:
+    from duetime.experiments.fanout import Fanout
     from duetime.plan.report import write_schedule
     from duetime.plan.schedule import plan_schedule
 
-    sched = plan_schedule(problem, progress=lambda m: print(f"  {m}", file=sys.stderr))
+    fanout = Fanout(ray=args.ray) if args.ray else (
+        Fanout(args.workers) if args.workers else Fanout.local())
+    print(f"  {len(problem.intervals)} intervals; rate levels searched on {fanout.label}",
+          file=sys.stderr)
+    try:
+        sched = plan_schedule(problem, progress=lambda m: print(f"  {m}", file=sys.stderr),
+                              fanout=fanout)
+    except (RuntimeError, ConnectionError) as e:
+        raise error(f"--ray: {' '.join(str(e).split())}") from None
     data = write_schedule(Path(args.out), problem, sched)
     if data["static_gpu_hours"] is None:
         print("no pool meets the constraints at the peak rate (see report.md)")
@@ -204,6 +213,12 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="a schedule's interval (default 15 minutes)")
     p.add_argument("--scale-up-delay", type=float, default=None, metavar="S",
                    help="seconds a new replica costs before it serves (default 60)")
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
+                   help="a schedule's rate levels searched in N local processes (default: one "
+                   "per CPU; 1: serially)")
+    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                   help="search them on a Ray cluster instead (auto: the one this machine "
+                   "joined; or a head's address, e.g. 127.0.0.1:6379); the same results")
     p.add_argument("--grid", action="store_true",
                    help="simulate every pool of the space instead of searching (slow; the "
                    "reference the search is tested against)")

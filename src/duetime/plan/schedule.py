@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from duetime.experiments.fanout import Fanout
 from duetime.plan.evaluate import Evaluator, Outcome, pool_cost, pool_gpus
 from duetime.plan.problem import PlanError, PlanProblem
 from duetime.plan.rates import Interval, level
@@ -65,21 +66,29 @@ class ScheduleResult:
 STEP = 0.1  # rate levels 10% apart
 
 
-def plan_schedule(problem: PlanProblem, *, step: float = STEP,
-                  progress=None) -> ScheduleResult:
+def search_level(problem: PlanProblem, rate: float) -> SearchResult:
+    """The plan for one rate level (a module-level function: fan-outs pickle it)."""
+    at = replace(problem, rate=rate)
+    return search(at, Evaluator(at))
+
+
+def plan_schedule(problem: PlanProblem, *, step: float = STEP, progress=None,
+                  fanout: Fanout | None = None) -> ScheduleResult:
     """The cheapest pool for every interval's rate level (``problem.intervals``), and the
-    static peak pool."""
+    static peak pool. The levels are searched independently: ``fanout`` runs them in other
+    processes or on Ray (the same results as here, serially)."""
     intervals = list(problem.intervals)
     if not intervals:
         raise PlanError("plan_schedule: the problem has no intervals (a rate schedule)")
     delay_s = problem.scale_up_delay_s
-    levels: dict[float, SearchResult] = {}
-    for lv in sorted({level(iv.rate, step) for iv in intervals}):
-        levels[lv] = search(replace(problem, rate=lv), Evaluator(replace(problem, rate=lv)))
-        if progress is not None:
-            best = levels[lv].best
-            progress(f"{lv:.3g} q/s: " + ("no pool" if best is None else
-                                          f"{best.cost:.2f} USD/h, {pool_gpus(best.pool)} GPUs"))
+    rates = sorted({level(iv.rate, step) for iv in intervals})
+    found = (fanout or Fanout()).map(search_level, [(problem, lv) for lv in rates])
+    levels: dict[float, SearchResult] = dict(zip(rates, found, strict=True))
+    if progress is not None:
+        for lv, r in levels.items():
+            progress(f"{lv:.3g} q/s: " + ("no pool" if r.best is None else
+                                          f"{r.best.cost:.2f} USD/h, "
+                                          f"{pool_gpus(r.best.pool)} GPUs"))
     # a pool that meets a higher rate meets a lower one: each level takes the best pool found
     # for it or any level above it (the searches' noise can make a higher level's cheaper)
     chosen: dict[float, Outcome | None] = {}

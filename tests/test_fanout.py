@@ -1,0 +1,107 @@
+"""Simulations fanned out (duetime.experiments.fanout): over local processes and over a real
+Ray cluster (a head started on loopback by the test, stopped after it), the same results as a
+serial run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from duetime.experiments.fanout import Fanout
+from duetime.plan.problem import problem_from_dict
+from duetime.plan.schedule import plan_schedule
+from redis_server import free_port
+
+MEASURED = ["qwen3-0.6b@h100", "qwen3-8b@h100", "qwen3-32b@h100x2"]
+
+
+def _problem(tmp_path: Path):
+    """A small plan of four intervals, written as plan.yaml in ``tmp_path`` (for the CLI)."""
+    (tmp_path / "rates.csv").write_text("start_s,rate\n0,1\n600,3\n1200,6\n1800,2\n")
+    data = {"options": MEASURED, "max_replicas": 3, "requests": 400, "max_requests": 800,
+            "schedule": {"trace": "rates.csv"},
+            "constraints": {"on_time": 0.95, "quality": 0.8}}
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    return problem_from_dict(data, "plan.yaml", tmp_path)
+
+
+def _result(sched) -> list:
+    """What a schedule decided: every level's search, as data (wall times left out)."""
+    return [(lv, None if r.best is None else r.best.as_dict(), r.simulations,
+             sorted(o.as_dict()["cost_per_hour"] for o in r.outcomes))
+            for lv, r in sorted(sched.levels.items())]
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serial")
+    return _result(plan_schedule(_problem(tmp), fanout=Fanout(1)))
+
+
+def test_local_processes_give_the_serial_results(serial, tmp_path):
+    got = _result(plan_schedule(_problem(tmp_path), fanout=Fanout(2)))
+    assert got == serial and len(got) >= 3
+
+
+def test_a_fanout_keeps_the_order_of_its_inputs():
+    assert Fanout(2).map(pow, [(2, k) for k in range(6)]) == [2 ** k for k in range(6)]
+    with pytest.raises(ValueError, match="workers"):
+        Fanout(0)
+
+
+class RayHead:
+    """``ray start --head`` on loopback with its own temporary folder; ``ray stop`` after."""
+
+    def __init__(self) -> None:
+        self.ray = Path(sys.executable).parent / "ray"
+        if not self.ray.exists():  # (a failure, not a skip: the [test] extra installs Ray)
+            pytest.fail("ray is not installed in the test venv: pip install -e '.[test]'")
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # (short: Ray's unix sockets live under it and their paths are limited to ~107 bytes)
+        self.temp = tempfile.mkdtemp(prefix="dtray", dir="/tmp")
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+
+    def start(self) -> None:
+        subprocess.run([str(self.ray), "start", "--head", "--node-ip-address", "127.0.0.1",
+                        "--port", str(self.port), "--num-cpus", "2",
+                        "--include-dashboard", "false", "--disable-usage-stats",
+                        "--temp-dir", self.temp], check=True, env=self.env, timeout=180,
+                       capture_output=True)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        subprocess.run([str(self.ray), "stop"], env=self.env, timeout=120, capture_output=True)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def test_a_ray_cluster_gives_the_serial_results(serial, tmp_path, capsys):
+    head = RayHead()
+    t0 = time.monotonic()
+    try:
+        head.start()
+        got = _result(plan_schedule(_problem(tmp_path), fanout=Fanout(ray=head.address)))
+        assert got == serial
+        # and through the command line
+        from duetime.cli import main
+
+        out = tmp_path / "day"
+        assert main(["plan", str(tmp_path / "plan.yaml"), "--ray", head.address,
+                     "--out", str(out)]) == 0
+        serial_csv = tmp_path / "serial"
+        assert main(["plan", str(tmp_path / "plan.yaml"), "--workers", "1",
+                     "--out", str(serial_csv)]) == 0
+        assert (out / "schedule.csv").read_text() == (serial_csv / "schedule.csv").read_text()
+    finally:
+        head.stop()
+    assert time.monotonic() - t0 < 300
