@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from duetime.argtypes import positive_float, positive_int
+from duetime.argtypes import positive_float, positive_int, unit_rate
 
 
 def _price(text: str) -> tuple[str, float]:
@@ -19,16 +19,6 @@ def _price(text: str) -> tuple[str, float]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"want GPU=USD_PER_HOUR (e.g. h100=2.5), got {text!r}")\
             from None
-
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v <= 1:
-        raise argparse.ArgumentTypeError(f"want a number in [0, 1], got {text!r}")
-    return v
 
 
 QUICK = {"requests": 1000, "max_requests": 4000, "max_replicas": 3}
@@ -185,9 +175,9 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    metavar="G,...", help="only these GPUs for the default deployments")
     p.add_argument("--router", default=None, metavar="POLICY",
                    help="the routing policy in the loop (default sfs)")
-    p.add_argument("--on-time", type=_fraction, default=None, metavar="F",
+    p.add_argument("--on-time", type=unit_rate, default=None, metavar="F",
                    help="every class's on-time floor (default 0.95)")
-    p.add_argument("--quality", type=_fraction, default=None, metavar="Q",
+    p.add_argument("--quality", type=unit_rate, default=None, metavar="Q",
                    help="a floor on the mean quality (default none)")
     p.add_argument("--budget", type=positive_float, default=None, metavar="USD",
                    help="the most the pool may cost per hour")

@@ -95,6 +95,13 @@ def _header(problem: PlanProblem, pool: Pool, urls: bool) -> str:
             f"{problem.rate:g} q/s, router {problem.router}\n# {what}\n{note}")
 
 
+def write_pools(out: Path, problem: PlanProblem, pool: Pool, note: str = "") -> None:
+    """``pool.yaml`` (emulated) and ``pool-urls.yaml`` (URL placeholders) for ``pool``."""
+    for name, urls in (("pool.yaml", False), ("pool-urls.yaml", True)):
+        body = yaml.safe_dump(pool_config(problem, pool, urls=urls), sort_keys=False)
+        (out / name).write_text(_header(problem, pool, urls) + note + body)
+
+
 def frontier_plot(path: Path, problem: PlanProblem, result: SearchResult) -> None:
     from duetime.experiments.report import plt
 
@@ -182,10 +189,7 @@ def write_plan(out: Path, problem: PlanProblem, result: SearchResult) -> dict[st
     (out / "report.md").write_text(report_md(problem, result, data))
     frontier_plot(out / "frontier.png", problem, result)
     if result.best is not None:
-        for name, urls in (("pool.yaml", False), ("pool-urls.yaml", True)):
-            body = yaml.safe_dump(pool_config(problem, result.best.pool, urls=urls),
-                                  sort_keys=False)
-            (out / name).write_text(_header(problem, result.best.pool, urls) + body)
+        write_pools(out, problem, result.best.pool)
     return data
 
 
@@ -281,10 +285,7 @@ def write_schedule(out: Path, problem: PlanProblem, sched: ScheduleResult) -> di
                      f"{'' if best is None else f'{best.cost:.2f}'} | "
                      f"{'' if best is None else pool_gpus(best.pool)} |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    if peak_best := sched.peak.best:
-        for name, urls in (("pool.yaml", False), ("pool-urls.yaml", True)):
-            body = yaml.safe_dump(pool_config(problem, peak_best.pool, urls=urls),
-                                  sort_keys=False)
-            (out / name).write_text(_header(problem, peak_best.pool, urls)
-                                    + "# (the static peak pool of the schedule)\n" + body)
+    if sched.peak.best is not None:
+        write_pools(out, problem, sched.peak.best.pool,
+                    "# (the static peak pool of the schedule)\n")
     return data
