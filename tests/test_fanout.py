@@ -1,9 +1,11 @@
-"""Simulations fanned out (duetime.experiments.fanout): over local processes and over a real
-Ray cluster (a head started on loopback by the test, stopped after it), the same results as a
-serial run."""
+"""Simulations fanned out (duetime.experiments.fanout): a plan's schedule and the experiments'
+points, over local processes and over a real Ray cluster (a head started on loopback by the
+test, stopped after it), the same results as a serial run."""
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from duetime.cli import main
+from duetime.experiments.catalog import run_experiment
 from duetime.experiments.fanout import Fanout
 from duetime.plan.problem import problem_from_dict
 from duetime.plan.schedule import plan_schedule
@@ -85,23 +89,66 @@ class RayHead:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
-def test_a_ray_cluster_gives_the_serial_results(serial, tmp_path, capsys):
+def _outputs(out: Path) -> tuple[dict, list[dict]]:
+    """An experiment's summary.json and results.csv as data, less what a clock measured."""
+    def untimed(x):
+        if isinstance(x, dict):
+            return {k: untimed(v) for k, v in x.items()
+                    if k not in ("wall_s", "realtime_factor") and "decision_us" not in k}
+        return [untimed(v) for v in x] if isinstance(x, list) else x
+
+    with open(out / "results.csv") as f:
+        rows = [untimed(r) for r in csv.DictReader(f)]
+    return untimed(json.loads((out / "summary.json").read_text())), rows
+
+
+@pytest.mark.parametrize("name", ["estimators", "ttca"])
+def test_an_experiment_on_local_processes_gives_the_serial_results(name, tmp_path):
+    # estimators: points with given streams, kept results and shadow estimators; ttca: the
+    # retry runs (not points) fanned out
+    for label, fanout in (("serial", Fanout(1)), ("local", Fanout(2))):
+        run_experiment(name, tmp_path / label, quick=True, log=lambda m: None, fanout=fanout)
+    serial, local = _outputs(tmp_path / "serial"), _outputs(tmp_path / "local")
+    assert local == serial and len(serial[1]) >= 2
+
+
+@pytest.fixture(scope="module")
+def ray_head():
     head = RayHead()
     t0 = time.monotonic()
     try:
         head.start()
-        got = _result(plan_schedule(_problem(tmp_path), fanout=Fanout(ray=head.address)))
-        assert got == serial
-        # and through the command line
-        from duetime.cli import main
-
-        out = tmp_path / "day"
-        assert main(["plan", str(tmp_path / "plan.yaml"), "--ray", head.address,
-                     "--out", str(out)]) == 0
-        serial_csv = tmp_path / "serial"
-        assert main(["plan", str(tmp_path / "plan.yaml"), "--workers", "1",
-                     "--out", str(serial_csv)]) == 0
-        assert (out / "schedule.csv").read_text() == (serial_csv / "schedule.csv").read_text()
+        yield head
     finally:
         head.stop()
-    assert time.monotonic() - t0 < 300
+    assert time.monotonic() - t0 < 400
+
+
+def test_a_ray_cluster_gives_the_serial_schedule(serial, ray_head, tmp_path):
+    got = _result(plan_schedule(_problem(tmp_path), fanout=Fanout(ray=ray_head.address)))
+    assert got == serial
+    # and through the command line
+    out = tmp_path / "day"
+    assert main(["plan", str(tmp_path / "plan.yaml"), "--ray", ray_head.address,
+                 "--out", str(out)]) == 0
+    serial_csv = tmp_path / "serial"
+    assert main(["plan", str(tmp_path / "plan.yaml"), "--workers", "1",
+                 "--out", str(serial_csv)]) == 0
+    assert (out / "schedule.csv").read_text() == (serial_csv / "schedule.csv").read_text()
+
+
+def test_a_sweep_on_a_ray_cluster_equals_the_serial_sweep(ray_head, tmp_path):
+    for label, how in (("ray", ["--ray", ray_head.address]), ("serial", ["--workers", "1"])):
+        assert main(["experiment", "load-sweep", "--quick", "--out", str(tmp_path / label),
+                     *how]) == 0
+    serial, on_ray = _outputs(tmp_path / "serial"), _outputs(tmp_path / "ray")
+    assert on_ray == serial and len(serial[1]) == 42
+
+
+def test_an_unreachable_ray_head_is_a_one_line_error(tmp_path, capsys):
+    t0 = time.monotonic()
+    assert main(["experiment", "demo", "--quick", "--ray", f"127.0.0.1:{free_port()}",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--ray: no Ray head answers at 127.0.0.1:" in err
+    assert time.monotonic() - t0 < 60

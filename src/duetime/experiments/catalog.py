@@ -19,7 +19,8 @@ import numpy as np
 from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
 from duetime.experiments import prefix as px
 from duetime.experiments import report as rp
-from duetime.experiments.runner import Point, Runner
+from duetime.experiments.fanout import Fanout
+from duetime.experiments.runner import Point, Runner, run_points
 from duetime.metrics import auc, forecast_mape, routing_share
 from duetime.policy import consumes, make_policy
 from duetime.policy.registry import PREFIX
@@ -62,9 +63,9 @@ def _n(quick: bool, full: int = PAPER_REQUESTS) -> int:
     return QUICK_REQUESTS if quick else full
 
 
-def demo(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def demo(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """The SFS page's illustration: identical instances, 6 q/s, four routers."""
-    runner = Runner(load_workload("demo"), seed=seed)
+    runner = Runner(load_workload("demo"), seed=seed, fanout=fanout)
     routers = ("latency-agnostic", "shortest-queue", "round-robin", "sfs")
     rows, _ = runner.run_all([Point(r, 6.0, _n(quick, 4000)) for r in routers], progress=log)
     best = max((r for r in rows if r["router"] != "sfs"), key=lambda r: r["ontime_utility"])
@@ -78,9 +79,10 @@ def demo(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
                                    + rp.md_table(rows, cols)])
 
 
-def load_sweep(out: Path, quick: bool, seed: int, log: Log, *, arrivals: str = "poisson",
-               arrival_kw: tuple = (), title: str = "Load sweep") -> Outcome:
-    runner = Runner(load_workload("paper"), seed=seed)
+def load_sweep(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout, *,
+               arrivals: str = "poisson", arrival_kw: tuple = (), title: str = "Load sweep"
+               ) -> Outcome:
+    runner = Runner(load_workload("paper"), seed=seed, fanout=fanout)
     rates = QUICK_RATES if quick else PAPER_RATES
     routers = (*BASELINES, "sfs", *ESTIMATOR_ROUTERS)
     points = [Point(r, rate, _n(quick), arrivals, arrival_kw) for rate in rates
@@ -114,8 +116,8 @@ def load_sweep(out: Path, quick: bool, seed: int, log: Log, *, arrivals: str = "
     return Outcome(rows, summary, sections)
 
 
-def delta_sweep(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
-    runner = Runner(load_workload("paper"), seed=seed)
+def delta_sweep(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    runner = Runner(load_workload("paper"), seed=seed, fanout=fanout)
     deltas = DELTAS[::2] if quick else DELTAS
     points = [Point("sfs-soft", 8.0, _n(quick), delta=d, label=f"sfs-soft d={d:g}")
               for d in deltas]
@@ -137,8 +139,8 @@ def delta_sweep(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
         rp.md_table(rows, ["router", "delta", *TABLE[2:]])])
 
 
-def composition(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
-    runner = Runner(load_workload("paper"), seed=seed)
+def composition(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    runner = Runner(load_workload("paper"), seed=seed, fanout=fanout)
     routers = ("shortest-queue", "round-robin", "latency-agnostic", "sfs")
     rows, kept = runner.run_all([Point(r, 8.0, _n(quick)) for r in routers], progress=log,
                                 keep=lambda p: True)
@@ -157,10 +159,10 @@ def composition(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
         "## Routers\n\n" + rp.md_table(rows, TABLE)])
 
 
-def bursty(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def bursty(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     rows, summary, sections = [], {}, []
     for ratio in (3, 6):
-        o = load_sweep(out, quick, seed, log, arrivals="mmpp2",
+        o = load_sweep(out, quick, seed, log, fanout, arrivals="mmpp2",
                        arrival_kw=(("ratio", float(ratio)),), title=f"MMPP-2 ratio {ratio}")
         for r in o.rows:
             r["ratio"] = ratio
@@ -172,10 +174,10 @@ def bursty(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
     return Outcome(rows, summary, sections)
 
 
-def estimators(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def estimators(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """Forecast error of the three estimators on the same routed traffic (SFS routing): each
     forecasts the TTFT of every request at the instance it was sent to."""
-    runner = Runner(load_workload("paper"), seed=seed)
+    runner = Runner(load_workload("paper"), seed=seed, fanout=fanout)
     shadow = (SfsEstimator(), ThroughputEstimator(), LpsEstimator())
     rates = (4.0, 8.0) if quick else (3.0, 5.0, 7.0, 8.0, 9.0)
     rows, kept = runner.run_all([Point("sfs", r, _n(quick, 4000)) for r in rates],
@@ -198,23 +200,26 @@ def estimators(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
     # (and the same streams without caching: the part of the error that is not the cache's,
     # e.g. arrivals after a forecast that share its steps)
     caching = []
+    runners = {on: Runner(runner.profile, seed=seed, prefix_caching=on) for on in (True, False)}
+    jobs, keys = [], []
     for w in px.WORKLOADS:
-        runners = {on: Runner(runner.profile, seed=seed, prefix_caching=on) for on in (True,
-                                                                                     False)}
         for rate in rates:
             p = Point("sfs", rate, _n(quick, 4000))
             stream = px.make_stream(w, runner.profile, rate, p.requests, seed).requests
-            got = {}
             for on, r in runners.items():
                 r.set_stream(p, stream)
-                got[on] = r.run_all([p], progress=log, keep=lambda p: True,
-                                    shadow=shadow)[1][p]
-            res = got[True]
+                jobs.append((r.portable(p), p))
+                keys.append((w, rate, on))
+    results = dict(zip(keys, (res for _, res in run_points(
+        jobs, fanout, progress=log, keep=lambda p: True, shadow=shadow)), strict=True))
+    for w in px.WORKLOADS:
+        for rate in rates:
+            res, plain = results[(w, rate, True)], results[(w, rate, False)]
             caching.append({"workload": w, "rate": rate, "cache_hit_rate": res.cache_hit_rate,
                             **{f"mape_{k}": forecast_mape(f, res.ttft)
                                for k, f in res.shadow.items()},
-                            "mape_sfs_no_caching": forecast_mape(got[False].shadow["sfs"],
-                                                                 got[False].ttft)})
+                            "mape_sfs_no_caching": forecast_mape(plain.shadow["sfs"],
+                                                                 plain.ttft)})
     mape_caching = {w: float(np.mean([r["mape_sfs"] for r in caching if r["workload"] == w]))
                     for w in px.WORKLOADS}
     mape_plain = {w: float(np.mean([r["mape_sfs_no_caching"] for r in caching
@@ -241,7 +246,7 @@ def estimators(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
                                 "mape_sfs_no_caching", "mape_throughput", "mape_lps"])])
 
 
-def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def ttca(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """The LAAR paper's evaluation: KV lookups with retries on the five-model pool, per
     (context length, language); load-aware, session-affinity, laar and ttca."""
     pool = load_pool()
@@ -254,8 +259,7 @@ def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
     curves: dict[tuple[int, str, str], tuple[np.ndarray, np.ndarray]] = {}
-    total = len(contexts) * len(languages) * len(routers)
-    k = 0
+    jobs, settings = [], []
     for ci, ctx in enumerate(pool.contexts):
         if ctx not in contexts:
             continue
@@ -269,23 +273,28 @@ def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
             prompt = np.full(n_eval, ctx)
             outs = np.full((n_eval, len(names)), pool.output_tokens)
             for router in routers:
-                r = run_retries(models, make_policy(router, defaults={
-                                    "lambda": 0.0, "seed": seed, "alpha": pool.alpha}),
-                                prompt, outs, ev, q_pred, clients=pool.concurrency,
-                                retry_cap=pool.retry_cap, seed=seed)
-                t = r.ttca
-                curves[(ctx, lang, router)] = (r.ttca_by_attempt(pool.retry_cap),
-                                               r.success_by_attempt(pool.retry_cap))
-                rows.append({"router": router, "rate": "", "context_tokens": ctx,
-                             "language": lang, "queries": n_eval, "mean_ttca_s": float(t.mean()),
-                             "p95_ttca_s": float(np.percentile(t, 95)),
-                             "success": float(r.solved.mean()),
-                             "mean_attempts": float(np.mean([len(a) for a in r.attempts])),
-                             "first_attempt_success": float(r.success_by_attempt(1)[0]),
-                             "wall_s": r.wall_s})
-                k += 1
-                log(f"[{k}/{total}] {router} @ {ctx} tokens, {lang}: mean TTCA "
-                    f"{t.mean():.2f} s, success {r.solved.mean():.2f}")
+                jobs.append((models, router, seed, pool.alpha, prompt, outs, ev, q_pred,
+                             pool.concurrency, pool.retry_cap))
+                settings.append((ctx, lang, router))
+
+    def done(k: int, r) -> None:
+        finished.append(k)
+        ctx, lang, router = settings[k]
+        log(f"[{len(finished)}/{len(jobs)}] {router} @ {ctx} tokens, {lang}: mean TTCA "
+            f"{r.ttca.mean():.2f} s, success {r.solved.mean():.2f}")
+
+    finished: list[int] = []
+    for (ctx, lang, router), r in zip(settings, fanout.map(_retries, jobs, done), strict=True):
+        t = r.ttca
+        curves[(ctx, lang, router)] = (r.ttca_by_attempt(pool.retry_cap),
+                                       r.success_by_attempt(pool.retry_cap))
+        rows.append({"router": router, "rate": "", "context_tokens": ctx,
+                     "language": lang, "queries": n_eval, "mean_ttca_s": float(t.mean()),
+                     "p95_ttca_s": float(np.percentile(t, 95)),
+                     "success": float(r.solved.mean()),
+                     "mean_attempts": float(np.mean([len(a) for a in r.attempts])),
+                     "first_attempt_success": float(r.success_by_attempt(1)[0]),
+                     "wall_s": r.wall_s})
 
     def mean_ttca(router: str, sel=lambda r: True) -> float:
         vals = [r["mean_ttca_s"] for r in rows if r["router"] == router and sel(r)]
@@ -329,6 +338,14 @@ def ttca(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
         "## All settings\n\n" + rp.md_table(rows, cols)])
 
 
+def _retries(models, router, seed, alpha, prompt, outs, ev, q_pred, clients, retry_cap):
+    """One router's retries on one (context, language) setting (a job of ``ttca``'s
+    fan-out)."""
+    return run_retries(models, make_policy(router, defaults={
+                           "lambda": 0.0, "seed": seed, "alpha": alpha}),
+                       prompt, outs, ev, q_pred, clients=clients, retry_cap=retry_cap, seed=seed)
+
+
 def _ttca_plots(out: Path, curves, contexts, languages, routers, per_setting) -> None:
     import matplotlib.pyplot as plt
 
@@ -364,7 +381,7 @@ def _ttca_plots(out: Path, curves, contexts, languages, routers, per_setting) ->
     plt.close(fig)
 
 
-def prefix(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def prefix(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """Prefix caching (every instance caches): load sweeps on multi-turn chat and on shared
     system prompts over the load-sweep's pool and rates, with working sets near and above the
     pool's KV capacity (:mod:`duetime.experiments.prefix`); each policy that reads the cache
@@ -377,10 +394,7 @@ def prefix(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
     runners = {v: Runner(profile, seed=seed, prefix_caching=True, cache_view=v)
                for v in CACHE_VIEWS}
     reads = {r: PREFIX in consumes(r) for r in PREFIX_ROUTERS}
-    total = len(px.WORKLOADS) * len(rates) * sum(len(CACHE_VIEWS) if reads[r] else 1
-                                                 for r in PREFIX_ROUTERS)
-    rows: list[dict[str, Any]] = []
-    k = 0
+    jobs, settings = [], []
     for w in px.WORKLOADS:
         for rate in rates:
             s = px.make_stream(w, profile, rate, n, seed)
@@ -389,25 +403,24 @@ def prefix(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
                     "working_set_ratio": s.working_set_tokens / cap}
             for r in PREFIX_ROUTERS:
                 for v in CACHE_VIEWS if reads[r] else CACHE_VIEWS[:1]:
-                    p = Point(r, rate, n)
+                    p = Point(r, rate, n, label=f"{w}, {v if reads[r] else 'either view'}: {r}")
                     runners[v].set_stream(p, s.requests)
-                    row, res = runners[v].run(p)
-                    sim_s = max(res.simulated_s, 1e-9)
-                    row.update(info, arrivals="poisson sessions" if w == "multi-turn"
-                               else "poisson",
-                               p90_ttft_s=float(np.percentile(res.ttft, 90)),
-                               throughput_rps=len(res.ttft) / sim_s,
-                               output_tok_s=float(res.output_tokens.sum()) / sim_s)
-                    share = np.bincount(res.model, minlength=len(profile.model_names))
-                    row.update({f"share_{m}": float(c) / len(res.model)
-                                for m, c in zip(profile.model_names, share, strict=True)})
-                    for view in (v,) if reads[r] else CACHE_VIEWS:
-                        rows.append(dict(row, cache_view=view, view_shared=not reads[r]))
-                    k += 1
-                    log(f"[{k}/{total}] {w}, {v if reads[r] else 'either view'}: {r} @ "
-                        f"{rate:g} q/s: OnTimeUtility {row['ontime_utility']:.3f}, hit rate "
-                        f"{row['cache_hit_rate']:.3f}, p90 TTFT {row['p90_ttft_s']:.3f} s "
-                        f"({row['wall_s']:.1f} s)")
+                    jobs.append((runners[v].portable(p), p))
+                    settings.append((w, info, r, v))
+    rows: list[dict[str, Any]] = []
+    for (w, info, r, v), (row, res) in zip(settings, run_points(
+            jobs, fanout, progress=log, keep=lambda p: True), strict=True):
+        sim_s = max(res.simulated_s, 1e-9)
+        row.update(info, router=r, arrivals="poisson sessions" if w == "multi-turn"
+                   else "poisson",
+                   p90_ttft_s=float(np.percentile(res.ttft, 90)),
+                   throughput_rps=len(res.ttft) / sim_s,
+                   output_tok_s=float(res.output_tokens.sum()) / sim_s)
+        share = np.bincount(res.model, minlength=len(profile.model_names))
+        row.update({f"share_{m}": float(c) / len(res.model)
+                    for m, c in zip(profile.model_names, share, strict=True)})
+        for view in (v,) if reads[r] else CACHE_VIEWS:
+            rows.append(dict(row, cache_view=view, view_shared=not reads[r]))
     summary, sections = _prefix_summary(out, rows, rates, n, cap, cap_by_model, reads,
                                         profile.model_names)
     return Outcome(rows, summary, sections)
@@ -588,20 +601,20 @@ def _prefix_workload_section(w: str, stem: str, rows: list[dict[str, Any]],
             "p90 TTFT (s) per load\n\n" + rp.md_table(p90, list(p90[0])))
 
 
-def scale(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def scale(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """Routing at cluster scale: pools of replicas at the same load per instance
     (:mod:`duetime.experiments.scale`)."""
     from duetime.experiments.scale import run_scale
 
-    return Outcome(*run_scale(out, quick, seed, log))
+    return Outcome(*run_scale(out, quick, seed, log, fanout))
 
 
-def replicas(out: Path, quick: bool, seed: int, log: Log) -> Outcome:
+def replicas(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """The cost of being many: N routers over one pool, each with its own view
     (:mod:`duetime.experiments.replicas`)."""
     from duetime.experiments.replicas import run_replicas
 
-    return Outcome(*run_replicas(out, quick, seed, log))
+    return Outcome(*run_replicas(out, quick, seed, log, fanout))
 
 
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
@@ -611,13 +624,14 @@ EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,
-                   log: Log = print) -> Outcome:
-    """Run a named experiment and write its outputs into ``out``."""
+                   log: Log = print, fanout: Fanout | None = None) -> Outcome:
+    """Run a named experiment and write its outputs into ``out``; its simulations run where
+    ``fanout`` says (default: serially here), with the serial run's results."""
     if name not in EXPERIMENTS:
         raise KeyError(f"unknown experiment {name!r}; expected one of {', '.join(EXPERIMENTS)}")
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    o = EXPERIMENTS[name](out, quick, seed, log)
+    o = EXPERIMENTS[name](out, quick, seed, log, fanout or Fanout())
     o.summary.update({"experiment": name, "quick": quick, "seed": seed,
                       "wall_s": time.perf_counter() - t0})
     rp.write_csv(out / "results.csv", o.rows)

@@ -14,6 +14,7 @@ import numpy as np
 from duetime.argtypes import frontend, key_value, positive_float, positive_int
 from duetime.experiments import report as rp
 from duetime.experiments.catalog import EXPERIMENTS, run_experiment
+from duetime.experiments.fanout import add_fanout_options, fanout_from
 from duetime.experiments.runner import Point, Runner
 from duetime.policy import PolicyError, check_params, policy_names
 from duetime.sim import SimResult
@@ -70,10 +71,16 @@ class _Bar:
 
 
 def _cmd_experiment(args: argparse.Namespace, error: type[Exception]) -> int:
+    fanout = fanout_from(args.workers, args.ray)
+    _log(f"simulations on {fanout.label}")
     bar = _Bar()
     try:
         o = run_experiment(args.name, Path(args.out), quick=args.quick, seed=args.seed,
-                           log=bar)
+                           log=bar, fanout=fanout)
+    except (RuntimeError, ConnectionError) as e:
+        if args.ray is None:
+            raise
+        raise error(f"--ray: {' '.join(str(e).split())}") from None
     finally:
         bar.close()
     _log(f"wrote {args.out}/results.csv, summary.json, report.md and plots "
@@ -221,6 +228,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--quick", action="store_true",
                    help="fewer requests and rates (seconds to a few minutes)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")
+    add_fanout_options(p, "the experiment's simulations")
 
     p = command("simulate", lambda a: _cmd_simulate(a, error),
                 "simulate one router on one request stream",

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from duetime.experiments import report as rp
-from duetime.experiments.runner import Point, Runner
+from duetime.experiments.fanout import Fanout
+from duetime.experiments.runner import Point, Runner, run_points
 from duetime.sim.fleet import FleetSpec
 from duetime.workload import load_workload
 
@@ -51,32 +52,32 @@ def _settings(fleets: tuple[int, ...], staleness: tuple[float, ...]
     return out
 
 
-def run_replicas(out: Path, quick: bool, seed: int, log: Callable[[str], None]
-                 ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+def run_replicas(out: Path, quick: bool, seed: int, log: Callable[[str], None],
+                 fanout: Fanout) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
     """The runs, ``summary.json``'s content and the report's sections."""
     fleets = QUICK_FLEETS if quick else FLEETS
     staleness = QUICK_STALENESS_S if quick else STALENESS_S
     n_req = QUICK_REQUESTS if quick else REQUESTS
     runner = Runner(load_workload("paper"), seed=seed)
     settings = _settings(fleets, staleness)
+    jobs = [(runner, Point(router, RATE, n_req, fleet=FleetSpec(n, sharing, s, SPREAD),
+                           label=f"{router}, {n} router(s), "
+                                 f"{'single' if n == 1 else _label(sharing, s)}"))
+            for router in ROUTERS for n, sharing, s in settings]
     rows: list[dict[str, Any]] = []
-    total = len(ROUTERS) * len(settings)
+    got = iter(run_points(jobs, fanout, progress=log, keep=lambda p: True))
     for router in ROUTERS:
         single = 1.0
         for n, sharing, s in settings:
-            spec = FleetSpec(n, sharing, s, SPREAD)
-            row, res = runner.run(Point(router, RATE, n_req, fleet=spec))
+            row, res = next(got)
             o = res.overhead_s
-            row.update(view="single" if n == 1 else _label(sharing, s),
+            row.update(router=router, view="single" if n == 1 else _label(sharing, s),
                        p90_ttft_s=float(np.percentile(res.ttft, 90)),
                        decision_us_mean=float(o.mean() * 1e6) if o is not None else 0.0)
             if n == 1:
                 single = row["ontime_utility"]
             row["vs_single"] = row["ontime_utility"] / single
             rows.append(row)
-            log(f"[{len(rows)}/{total}] {router}, {n} router(s), {row['view']}: OnTimeUtility "
-                f"{row['ontime_utility']:.3f} ({row['vs_single']:.1%} of one), p90 TTFT "
-                f"{row['p90_ttft_s']:.3f} s ({row['wall_s']:.1f} s)")
     summary = _summary(rows, fleets, staleness, n_req)
     return rows, summary, _sections(out, rows, summary)
 

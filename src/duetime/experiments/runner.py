@@ -1,15 +1,20 @@
 """Running simulation points: one (router, rate, arrival process) setting each, with the same
-requests for every router at a given rate and seed, so routers are compared on equal terms."""
+requests for every router at a given rate and seed, so routers are compared on equal terms.
+
+Points are independent and deterministic (a point's requests come from generators seeded by
+the runner's seed and the point), so :func:`run_points` fans them out (local processes or a Ray
+cluster, :mod:`duetime.experiments.fanout`) and returns what a serial run returns."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from duetime.estimate import Estimator
+from duetime.experiments.fanout import Fanout
 from duetime.metrics import summarize
 from duetime.policy import Policy, make_policy
 from duetime.sim import ClusterSim, SimResult
@@ -50,6 +55,7 @@ class Runner:
     prefix_caching: bool | None = None   # None: as the profile's configs say
     cache_view: str = "precise"
     step_scale: float = 1.0  # the instances' steps against their calibration (ClusterSim)
+    fanout: Fanout = field(default_factory=Fanout)  # where run_all runs (default: here)
     _streams: dict[tuple, RequestSet] = field(default_factory=dict)
 
     @staticmethod
@@ -105,15 +111,43 @@ class Runner:
     def run_all(self, points: Iterable[Point], *, progress: Callable[[str], None] | None = None,
                 keep: Callable[[Point], bool] | None = None,
                 shadow: tuple[Estimator, ...] = ()) -> tuple[list[dict], dict[Point, SimResult]]:
-        rows, kept = [], {}
+        """Every point's row (in order) and the results ``keep`` asks for, the points run
+        where this runner's ``fanout`` says."""
         points = list(points)
-        for k, p in enumerate(points, 1):
-            row, res = self.run(p, shadow)
-            rows.append(row)
-            if keep is not None and keep(p):
-                kept[p] = res
-            if progress is not None:
-                progress(f"[{k}/{len(points)}] {p.name} @ {p.rate:g} q/s: on time "
-                         f"{row['on_time']:.3f}, OnTimeUtility {row['ontime_utility']:.3f} "
-                         f"({row['wall_s']:.1f} s)")
-        return rows, kept
+        got = run_points([(self, p) for p in points], self.fanout, progress=progress,
+                         keep=keep, shadow=shadow)
+        rows = [row for row, _ in got]
+        return rows, {p: res for p, (_, res) in zip(points, got, strict=True) if res is not None}
+
+    def portable(self, p: Point) -> Runner:
+        """This runner as another process needs it for ``p``: its settings and, where the
+        point's requests were given (:meth:`set_stream`) or drawn already, those requests."""
+        got = self._streams.get(self._key(p))
+        return replace(self, fanout=Fanout(), _streams={} if got is None else {self._key(p): got})
+
+
+def _run_one(runner: Runner, p: Point, shadow: tuple[Estimator, ...], keep: bool
+             ) -> tuple[dict[str, Any], SimResult | None]:
+    row, res = runner.run(p, shadow)
+    return row, res if keep else None
+
+
+def run_points(jobs: list[tuple[Runner, Point]], fanout: Fanout, *,
+               progress: Callable[[str], None] | None = None,
+               keep: Callable[[Point], bool] | None = None, shadow: tuple[Estimator, ...] = ()
+               ) -> list[tuple[dict[str, Any], SimResult | None]]:
+    """Each (runner, point)'s row and, where ``keep(point)``, its result, in the order of
+    ``jobs``; run serially here or fanned out (the same rows but for their ``wall_s``)."""
+    def done(k: int, got: tuple[dict[str, Any], SimResult | None]) -> None:
+        if progress is not None:
+            row, p = got[0], jobs[k][1]
+            finished.append(k)
+            progress(f"[{len(finished)}/{len(jobs)}] {p.name} @ {p.rate:g} q/s: on time "
+                     f"{row['on_time']:.3f}, OnTimeUtility {row['ontime_utility']:.3f} "
+                     f"({row['wall_s']:.1f} s)")
+
+    finished: list[int] = []
+    serial = fanout.ray is None and fanout.workers == 1
+    items = [(r if serial else r.portable(p), p, shadow, keep is not None and keep(p))
+             for r, p in jobs]
+    return fanout.map(_run_one, items, done)

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from duetime.experiments import report as rp
-from duetime.experiments.runner import Point, Runner
+from duetime.experiments.fanout import Fanout
+from duetime.experiments.runner import Point, Runner, run_points
 from duetime.workload import load_workload
 
 CAPACITY_QPS = 9.5  # the three-instance pool's, per replica set (see the module doc)
@@ -32,14 +33,14 @@ COLUMNS = ["instances", "load", "router", "rate", "on_time", "ontime_utility", "
            "decision_us_p50", "decision_us_mean", "realtime_factor"]
 
 
-def run_scale(out: Path, quick: bool, seed: int, log: Callable[[str], None]
-              ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
-    """The runs, ``summary.json``'s content and the report's sections."""
+def run_scale(out: Path, quick: bool, seed: int, log: Callable[[str], None],
+              fanout: Fanout) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """The runs, ``summary.json``'s content and the report's sections. (Decision times are
+    measured in whatever process runs a point: beside other points when fanned out.)"""
     base = load_workload("paper")
     replicas = QUICK_REPLICAS if quick else REPLICAS
     per = QUICK_PER_INSTANCE if quick else PER_INSTANCE
-    rows: list[dict[str, Any]] = []
-    total = len(replicas) * len(LOADS) * len(ROUTERS)
+    jobs, settings = [], []
     for r in replicas:
         prof = base.with_replicas(r)
         size = len(prof.instance_pairs())
@@ -47,17 +48,19 @@ def run_scale(out: Path, quick: bool, seed: int, log: Callable[[str], None]
         for load in LOADS:
             rate = round(load * CAPACITY_QPS * r, 6)
             for router in ROUTERS:
-                row, res = runner.run(Point(router, rate, per * size))
-                o = res.overhead_s * 1e6 if res.overhead_s is not None else np.zeros(1)
-                row.update(instances=size, replicas=r, load=load,
-                           p99_ttft_s=float(np.percentile(res.ttft, 99)),
-                           decision_us_p50=float(np.median(o)),
-                           decision_us_mean=float(o.mean()),
-                           realtime_factor=row["simulated_s"] / max(row["wall_s"], 1e-9))
-                rows.append(row)
-                log(f"[{len(rows)}/{total}] {size} instances, load {load:g}: {router}: on time "
-                    f"{row['on_time']:.3f}, OnTimeUtility {row['ontime_utility']:.3f}, "
-                    f"decision {row['decision_us_p50']:.0f} us ({row['wall_s']:.1f} s)")
+                jobs.append((runner, Point(router, rate, per * size,
+                                           label=f"{size} instances, load {load:g}: {router}")))
+                settings.append((size, r, load, router))
+    rows: list[dict[str, Any]] = []
+    for (size, r, load, router), (row, res) in zip(settings, run_points(
+            jobs, fanout, progress=log, keep=lambda p: True), strict=True):
+        o = res.overhead_s * 1e6 if res.overhead_s is not None else np.zeros(1)
+        row.update(router=router, instances=size, replicas=r, load=load,
+                   p99_ttft_s=float(np.percentile(res.ttft, 99)),
+                   decision_us_p50=float(np.median(o)),
+                   decision_us_mean=float(o.mean()),
+                   realtime_factor=row["simulated_s"] / max(row["wall_s"], 1e-9))
+        rows.append(row)
     return rows, _summary(rows, replicas, per), _sections(out, rows, per)
 
 

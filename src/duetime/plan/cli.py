@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from duetime.argtypes import positive_float, positive_int, unit_rate
+from duetime.experiments.fanout import add_fanout_options, fanout_from
 
 
 def _price(text: str) -> tuple[str, float]:
@@ -122,12 +123,10 @@ def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
 
 
 def _schedule(args: argparse.Namespace, problem, error: type[Exception]) -> int:
-    from duetime.experiments.fanout import Fanout
     from duetime.plan.report import write_schedule
     from duetime.plan.schedule import plan_schedule
 
-    fanout = Fanout(ray=args.ray) if args.ray else (
-        Fanout(args.workers) if args.workers else Fanout.local())
+    fanout = fanout_from(args.workers, args.ray)
     print(f"  {len(problem.intervals)} intervals; rate levels searched on {fanout.label}",
           file=sys.stderr)
     try:
@@ -203,12 +202,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="a schedule's interval (default 15 minutes)")
     p.add_argument("--scale-up-delay", type=float, default=None, metavar="S",
                    help="seconds a new replica costs before it serves (default 60)")
-    p.add_argument("--workers", type=positive_int, default=None, metavar="N",
-                   help="a schedule's rate levels searched in N local processes (default: one "
-                   "per CPU; 1: serially)")
-    p.add_argument("--ray", default=None, metavar="auto|ADDRESS",
-                   help="search them on a Ray cluster instead (auto: the one this machine "
-                   "joined; or a head's address, e.g. 127.0.0.1:6379); the same results")
+    add_fanout_options(p, "a schedule's rate levels searched")
     p.add_argument("--grid", action="store_true",
                    help="simulate every pool of the space instead of searching (slow; the "
                    "reference the search is tested against)")
