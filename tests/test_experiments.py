@@ -25,8 +25,9 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
     out = tmp_path / name
     assert main(["experiment", name, "--quick", "--out", str(out), "--seed", "1"]) == 0
     rows = list(csv.DictReader((out / "results.csv").open()))
-    required = (REQUIRED if name != "ttca" else
-                {"router", "context_tokens", "language", "mean_ttca_s", "success"})
+    required = {"ttca": {"router", "context_tokens", "language", "mean_ttca_s", "success"},
+                "plan": {"variant", "rate", "method", "pool", "cost_per_hour", "gpus",
+                         "worst_on_time", "quality"}}.get(name, REQUIRED)
     assert rows and set(rows[0]) >= required
     summary = json.loads((out / "summary.json").read_text())
     assert summary["experiment"] == name and summary["quick"] is True
@@ -57,6 +58,8 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         assert {r["router"] for r in rows} == {"sfs", "load-aware"}
         assert {r["routers"] for r in rows} == {"1", "2", "4"}
         assert set(summary["table"]["sfs"]["4"]) >= {"independent", "shared 0.1 s"}
+    if name == "plan":
+        _check_plan(rows, summary)
     if name == "scale":
         sizes = {"3", "30", "90"}
         for load in ("0.7", "0.9"):
@@ -70,6 +73,24 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
 
 def _finite(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_plan(rows, summary) -> None:
+    ratios = summary["joint_vs_independent_cost"]
+    assert set(ratios) == {"paper", "heterogeneous"}
+    for per_rate in ratios.values():
+        assert len(per_rate) == 3
+        # the joint plan is the cheapest pool of its space that meets the floors; sizing
+        # model by model can only find one as cheap or dearer
+        assert all(_finite(r) and 0 < r <= 1 + 1e-9 for r in per_rate.values())
+    for r in rows:
+        if "cost_per_hour" in r:
+            assert float(r["worst_on_time"]) >= 0.95 and float(r["quality"]) >= 0.8
+    # the search finds the enumerated optimum with a small share of its simulations
+    assert all(_finite(r) and r <= 1.05 for r in summary["search_vs_grid_cost"].values())
+    assert all(0 < r <= 0.1 for r in summary["search_simulations_vs_grid"].values())
+    day = summary["diurnal_gpu_hours_vs_static_peak"]
+    assert _finite(day) and 0 < day <= 1 and summary["diurnal"]["intervals"] == 96
 
 
 def _check_prefix(out, rows, summary) -> None:

@@ -1,5 +1,5 @@
 """The papers' experiments as named, reproducible runs (SFS: demo .. estimators; LAAR: ttca;
-prefix caching: prefix; scale; several routers: replicas).
+prefix caching: prefix; scale; several routers: replicas; capacity planning: plan).
 
 Each writes ``results.csv`` (one row per router x setting), ``summary.json`` (headline
 numbers), PNG plots and ``report.md`` into its output folder. ``quick`` shrinks the runs (fewer
@@ -617,10 +617,18 @@ def replicas(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Out
     return Outcome(*run_replicas(out, quick, seed, log, fanout))
 
 
+def plan(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    """Capacity planned with the router in the loop against sizing model by model
+    (:mod:`duetime.experiments.planning`)."""
+    from duetime.experiments.planning import run_plan
+
+    return Outcome(*run_plan(out, quick, seed, log, fanout))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
-    "prefix": prefix, "scale": scale, "replicas": replicas}
+    "prefix": prefix, "scale": scale, "replicas": replicas, "plan": plan}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,
