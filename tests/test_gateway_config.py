@@ -97,6 +97,12 @@ def test_demo_pool():
     ({"quality": {"tasks": {"chat": {"qwen3-8b": 1.5}}}}, "pool.yaml: quality.tasks:"),
     ({"aliases": ["qwen3-8b"]}, "pool.yaml: aliases: ['qwen3-8b'] are also model names"),
     ({"ttft_target": {"min_ms": 500, "max_ms": 100}}, "pool.yaml: ttft_target: min_ms"),
+    ({"ttft_target": {"tasks": {"chess": {"base_ms": 50}}}},
+     "pool.yaml: ttft_target.tasks.chess: unknown task"),
+    ({"ttft_target": {"tasks": {"alpaca": {"min_ms": 2000}}}},
+     "pool.yaml: ttft_target.tasks.alpaca: min_ms 2000.0 > max_ms 1120.0"),
+    ({"ttft_target": {"tasks": {"alpaca": {"base": 50}}}},
+     "pool.yaml: ttft_target.tasks.alpaca.base: unknown field"),
     ({"tokenizer": "no/such/tokenizer.json"}, "pool.yaml: tokenizer: "),
     ({"instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
                      "profile": "qwen3-8b", "request_overhead_ms": -1}]},
@@ -117,6 +123,20 @@ def test_config_errors_name_file_field_and_reason(edit, message):
     with pytest.raises(ConfigError) as e:
         service_pool_from_dict({**base, **edit}, "pool.yaml")
     assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_task_s_own_ttft_target_overrides_the_pool_s_field_by_field():
+    pool = pool_from_dict({
+        "instances": [{"name": "x", "model": "qwen3-8b", "url": "http://h",
+                       "profile": "qwen3-8b"}],
+        "ttft_target": {"base_ms": 200, "per_prompt_token_ms": 0.1,
+                        "tasks": {"alpaca": {"base_ms": 60, "min_ms": 50},
+                                  "govreport": {"max_ms": 3000}}}}, "pool.yaml")
+    assert pool.target_ms(100) == 210                  # the pool's rule
+    assert pool.target_ms(100, "hotpotqa") == 210      # a task without its own
+    assert pool.target_ms(100, "alpaca") == 70         # base and min overridden
+    assert pool.target_ms(20000, "govreport") == 2200  # the higher cap
+    assert pool.target_ms(20000) == 1120
 
 
 def test_the_gateway_leaves_an_embedded_instances_options_to_the_service():

@@ -149,6 +149,32 @@ def test_cli_plan_writes_a_pool_the_gateway_accepts(tmp_path, capsys):
     assert all(".invalid:8000" in i.url for i in urls.instances)
 
 
+def test_per_class_ttft_targets_reach_the_plan_and_its_pool_yaml(tmp_path):
+    from importlib.resources import files
+
+    import yaml
+
+    from duetime.gateway.config import pool_from_dict
+    from duetime.plan.report import pool_config
+
+    wl = yaml.safe_load(files("duetime.workload").joinpath("profiles", "paper.yaml")
+                        .read_text())
+    wl["tasks"]["alpaca"]["ttft_target"] = {"base_ms": 80, "clip_ms": [60, 120]}
+    (tmp_path / "wl.yaml").write_text(yaml.safe_dump(wl))
+    p = problem_from_dict({"workload": "wl.yaml", "rate": 4.0, "options": MEASURED,
+                           "requests": 400}, "plan.yaml", tmp_path)
+    reqs = Evaluator(p).requests()
+    alpaca = reqs.task == reqs.tasks.index("alpaca")
+    assert reqs.target[alpaca].max() <= 0.120 and reqs.target[~alpaca].min() >= 0.150
+    cfg = pool_config(p, ((Option("qwen3-8b", "h100"), 1),))
+    assert cfg["ttft_target"]["tasks"] == {"alpaca": {
+        "base_ms": 80.0, "per_prompt_token_ms": 0.035, "min_ms": 60.0, "max_ms": 120.0}}
+    cfg["quality"]["workload"] = str(tmp_path / "wl.yaml")
+    pool = pool_from_dict(cfg, "pool.yaml")
+    assert pool.target_ms(40, "alpaca") == pytest.approx(81.4)
+    assert pool.target_ms(40, "hotpotqa") == pytest.approx(156.4)  # the workload's rule
+
+
 def test_cli_plan_rejects_bad_input_in_one_line(tmp_path, capsys):
     assert main(["plan", "--options", "qwen3-32b@h100", "--out", str(tmp_path)]) == 2
     _, err = capsys.readouterr()

@@ -75,6 +75,37 @@ def test_bad_profiles_name_the_field(tmp_path) -> None:
         load_workload(tmp_path / "nope.yaml")
 
 
+def _paper_dict() -> dict:
+    from importlib.resources import files
+
+    import yaml
+    return yaml.safe_load(files("duetime.workload").joinpath("profiles", "paper.yaml")
+                          .read_text())
+
+
+def test_a_class_s_own_ttft_target_applies_to_its_requests_only() -> None:
+    d = _paper_dict()
+    d["tasks"]["alpaca"]["ttft_target"] = {"base_ms": 60, "clip_ms": [50, 90]}
+    own, plain = profile_from_dict(d, "own.yaml"), profile_from_dict(_paper_dict(), "p.yaml")
+    assert own.tasks["alpaca"].target.base_ms == 60
+    assert own.tasks["alpaca"].target.per_prompt_token_ms == plain.target.per_prompt_token_ms
+    assert own.tasks["hotpotqa"].target is None
+    times = Poisson(8.0).times(4000, np.random.default_rng(1))
+    a = sample_requests(own, times, np.random.default_rng(2))
+    b = sample_requests(plain, times, np.random.default_rng(2))
+    alpaca = a.task == a.tasks.index("alpaca")
+    assert (a.target[alpaca] <= 0.090 + 1e-12).all() and (a.target[alpaca] >= 0.050).all()
+    assert (b.target[alpaca] >= 0.150).all()
+    # the rest of the stream is what it is without the class's rule
+    assert np.array_equal(a.target[~alpaca], b.target[~alpaca])
+    assert np.array_equal(a.prompt, b.prompt) and np.array_equal(a.output, b.output)
+    for bad, msg in (({"base": 1}, "unknown field"), ({"clip_ms": [90, 50]}, "clip_ms"),
+                     ("fast", "must be a mapping")):
+        d["tasks"]["alpaca"]["ttft_target"] = bad
+        with pytest.raises(ProfileError, match=rf"x.yaml: tasks.alpaca.ttft_target.*{msg}"):
+            profile_from_dict(d, "x.yaml")
+
+
 def test_trace_replay(tmp_path) -> None:
     prof = load_workload("paper")
     path = tmp_path / "t.csv"

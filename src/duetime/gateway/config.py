@@ -140,11 +140,32 @@ class QualitySpec(_Strict):
         return v
 
 
+class TaskTargetSpec(_Strict):
+    """A class's own TTFT target: the fields given override the pool's."""
+
+    base_ms: float | None = Field(None, ge=0)
+    per_prompt_token_ms: float | None = Field(None, ge=0)
+    min_ms: float | None = Field(None, ge=0)
+    max_ms: float | None = Field(None, gt=0)
+
+
 class TargetSpec(_Strict):
+    """The default TTFT target: clip(base + per token x prompt tokens, min, max); ``tasks``:
+    per task (SLO class, ``x-duetime-task``) what differs from it."""
+
     base_ms: float = Field(155.0, ge=0)
     per_prompt_token_ms: float = Field(0.035, ge=0)
     min_ms: float = Field(150.0, ge=0)
     max_ms: float = Field(1120.0, gt=0)
+    tasks: dict[str, TaskTargetSpec] = Field(default_factory=dict)
+
+    def for_task(self, task: str | None) -> TargetSpec:
+        """The rule that applies to ``task``'s requests."""
+        own = self.tasks.get(task) if task is not None else None
+        if own is None:
+            return self
+        return self.model_copy(update={k: v for k, v in own.model_dump().items()
+                                       if v is not None})
 
 
 class StateSpec(_Strict):
@@ -390,8 +411,9 @@ class Pool:
         return {"lambda": self.lam if lam is None else lam, "seed": self.seed,
                 "delta": self.delta, "alpha": self.alpha}
 
-    def target_ms(self, prompt_tokens: int) -> float:
-        t = self.target
+    def target_ms(self, prompt_tokens: int, task: str | None = None) -> float:
+        """The default TTFT target of a request (its task's rule where it has one)."""
+        t = self.target if not self.target.tasks else self.target.for_task(task)
         return min(max(t.base_ms + t.per_prompt_token_ms * prompt_tokens, t.min_ms), t.max_ms)
 
 
@@ -457,6 +479,13 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     t = spec.ttft_target
     if t.min_ms > t.max_ms:
         raise fail("ttft_target", f"min_ms {t.min_ms} > max_ms {t.max_ms}")
+    for task in t.tasks:
+        if task not in table:
+            raise fail(f"ttft_target.tasks.{task}", f"unknown task; known: {', '.join(table)}")
+        own = t.for_task(task)
+        if own.min_ms > own.max_ms:
+            raise fail(f"ttft_target.tasks.{task}", f"min_ms {own.min_ms} > max_ms "
+                       f"{own.max_ms}")
     if not math.isfinite(spec.lambda_):
         raise fail("lambda", "must be finite")
     policy, params = _policy(spec.policy, source)

@@ -63,13 +63,19 @@ def pool_config(problem: PlanProblem, pool: Pool, *, urls: bool = False) -> dict
     replicas, with its (measured or derived) profile; emulated, or URL placeholders."""
     router: Any = problem.router if not problem.params else {"name": problem.router,
                                                             **problem.params}
-    t = problem.workload.target
+    def rule(t) -> dict[str, float]:
+        return {"base_ms": t.base_ms, "per_prompt_token_ms": t.per_prompt_token_ms,
+                "min_ms": t.clip_ms[0], "max_ms": t.clip_ms[1]}
+
+    target: dict[str, Any] = rule(problem.workload.target)
+    own = {name: rule(task.target) for name, task in problem.workload.tasks.items()
+           if task.target is not None}
+    if own:
+        target["tasks"] = own
     cfg: dict[str, Any] = {
         "policy": router, "lambda": problem.workload.lam,
         "quality": {"workload": problem.workload_source},
-        "ttft_target": {"base_ms": t.base_ms, "per_prompt_token_ms": t.per_prompt_token_ms,
-                        "min_ms": t.clip_ms[0], "max_ms": t.clip_ms[1]},
-        "instances": []}
+        "ttft_target": target, "instances": []}
     seed = 0
     for opt, r in pool:
         name = _slug(opt.name.replace("@", "-"))

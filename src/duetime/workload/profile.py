@@ -45,6 +45,7 @@ class TaskSpec:
     output: LogNormal
     output_scale: dict[str, float]
     accuracy: dict[str, float]
+    target: TargetRule | None = None  # the class's own TTFT target rule (None: the workload's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +167,39 @@ def _model(name: str, d: Any, where: str) -> InstanceSpec:
                        _num(price, "output", f"{where}.price_usd_per_mtok", lo=0))
 
 
+TARGET_KEYS = ("queue_ms", "base_ms", "per_prompt_token_ms", "jitter", "clip_ms")
+
+
+def _target_rule(tt: Any, base: TargetRule, where: str) -> TargetRule:
+    """A TTFT target rule: the fields given, the rest from ``base`` (a class's rule overrides
+    the workload's, field by field)."""
+    if tt is None:
+        return base
+    if not isinstance(tt, dict):
+        raise ProfileError(f"{where}: must be a mapping")
+    unknown = sorted(set(tt) - set(TARGET_KEYS))
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {', '.join(unknown)}; known: "
+                           f"{', '.join(TARGET_KEYS)}")
+    try:
+        rule = TargetRule(
+            tuple(float(x) for x in tt.get("queue_ms", base.queue_ms)),
+            float(tt.get("base_ms", base.base_ms)),
+            float(tt.get("per_prompt_token_ms", base.per_prompt_token_ms)),
+            tuple(float(x) for x in tt.get("jitter", base.jitter)),
+            tuple(float(x) for x in tt.get("clip_ms", base.clip_ms)))
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: {e}") from None
+    for name in ("queue_ms", "jitter", "clip_ms"):
+        lo_hi = getattr(rule, name)
+        if len(lo_hi) != 2 or not 0 <= lo_hi[0] <= lo_hi[1]:
+            raise ProfileError(f"{where}.{name}: want [low, high] with 0 <= low <= high, "
+                               f"got {list(lo_hi)}")
+    if rule.base_ms < 0 or rule.per_prompt_token_ms < 0:
+        raise ProfileError(f"{where}: base_ms and per_prompt_token_ms must be >= 0")
+    return rule
+
+
 def profile_from_dict(d: Any, source: str = "profile") -> WorkloadProfile:
     """Build a profile from its YAML/JSON form; errors start with ``source``."""
     if not isinstance(d, dict):
@@ -191,14 +225,11 @@ def profile_from_dict(d: Any, source: str = "profile") -> WorkloadProfile:
             _per_model(v.get("accuracy"), names, f"{w}.accuracy", hi=1.0))
     if sum(t.share for t in tasks.values()) <= 0:
         raise ProfileError(f"{source}: tasks: the shares sum to 0")
-    tt = d.get("ttft_target") or {}
-    try:
-        target = TargetRule(
-            tuple(tt.get("queue_ms", (1.0, 5.0))), float(tt.get("base_ms", 155.0)),
-            float(tt.get("per_prompt_token_ms", 0.035)), tuple(tt.get("jitter", (0.98, 1.02))),
-            tuple(tt.get("clip_ms", (150.0, 1120.0))))
-    except (TypeError, ValueError) as e:
-        raise ProfileError(f"{source}: ttft_target: {e}") from None
+    target = _target_rule(d.get("ttft_target"), TargetRule(), f"{source}: ttft_target")
+    tasks = {t: replace(spec, target=_target_rule(tasks_d[t]["ttft_target"], target,
+                                                  f"{source}: tasks.{t}.ttft_target"))
+             if tasks_d[t].get("ttft_target") is not None else spec
+             for t, spec in tasks.items()}
     replicas = {}
     for m, v in models_d.items():
         r = v.get("replicas", 1)

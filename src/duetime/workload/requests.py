@@ -74,6 +74,11 @@ def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,
             mean = min(max(spec.accuracy[m], 1e-3), 1 - 1e-3)
             quality[idx, mi] = rng.beta(mean * k, (1 - mean) * k, idx.size)
     target = profile.target.sample(rng, prompt)
+    for ti, t in enumerate(tasks):  # classes with their own rule (drawn after: the rest of
+        rule = profile.tasks[t].target  # the stream is what it is without them)
+        idx = np.flatnonzero(task == ti)
+        if rule is not None and idx.size:
+            target[idx] = rule.sample(rng, prompt[idx])
     return RequestSet(np.asarray(arrival, dtype=float), task, prompt, output, quality, target,
                       tasks, models)
 

@@ -113,16 +113,16 @@ def _policy(scope: Scope) -> tuple[str | None, float | None]:
 
 def read_controls(scope: Scope, pool: Pool, prompt_tokens: int, *, client: str) -> Controls:
     """The request's controls from its headers (``client``: who sends it, for fairness)."""
+    task = _task(scope, list(pool.quality), pool.default_task or MEAN_TASK)
     target_ms = milliseconds(scope, b"x-duetime-ttft-ms")
     if target_ms is None:
         target_ms = milliseconds(scope, b"x-slo-ttft-ms")
     if target_ms is None:
-        target_ms = pool.target_ms(prompt_tokens)
+        target_ms = pool.target_ms(prompt_tokens, task)
     tpot_ms = milliseconds(scope, b"x-slo-tpot-ms")
     priority = _priority(scope)
     attempted = _attempted(scope)
     session = header(scope, b"x-session-id") or None
-    task = _task(scope, list(pool.quality), pool.default_task or MEAN_TASK)
     explain = (header(scope, b"x-duetime-explain") or "").strip().lower() in ("1", "true", "yes")
     policy, lam = _policy(scope)
     return Controls(target_ms / 1000.0, attempted, session, task, priority,
