@@ -22,6 +22,7 @@ from duetime.experiments.catalog import run_experiment
 from duetime.experiments.fanout import Fanout
 from duetime.plan.problem import problem_from_dict
 from duetime.plan.schedule import plan_schedule
+from duetime.plan.search import search
 from redis_server import free_port
 
 MEASURED = ["qwen3-0.6b@h100", "qwen3-8b@h100", "qwen3-32b@h100x2"]
@@ -59,6 +60,46 @@ def test_a_fanout_keeps_the_order_of_its_inputs():
     assert Fanout(2).map(pow, [(2, k) for k in range(6)]) == [2 ** k for k in range(6)]
     with pytest.raises(ValueError, match="workers"):
         Fanout(0)
+
+
+def test_imap_yields_in_order_and_draws_items_only_as_calls_can_start():
+    drawn = []
+
+    def items():
+        for k in range(100):
+            drawn.append(k)
+            yield (3, k)
+
+    for fanout in (Fanout(1), Fanout(2)):
+        drawn.clear()
+        with fanout.pool() as workers:
+            got = []
+            for x in workers.imap(pow, items(), ahead=3):
+                got.append(x)
+                if len(got) == 5:
+                    break
+        assert got == [3 ** k for k in range(5)]
+        assert len(drawn) <= 5 + 3  # the consumed ones and at most `ahead` beyond
+
+
+def _search_result(r):
+    return None if r.best is None else r.best.as_dict()
+
+
+@pytest.fixture(scope="module")
+def one_rate(tmp_path_factory):
+    """A single-rate plan whose search simulates several pools, and its serial answer."""
+    p = problem_from_dict({"rate": 6.0, "options": MEASURED, "max_replicas": 3,
+                           "requests": 400, "max_requests": 800,
+                           "constraints": {"on_time": 0.95, "quality": 0.8}})
+    serial = search(p, fanout=Fanout(1))
+    assert serial.best is not None and serial.simulations >= 3
+    return p, _search_result(serial)
+
+
+def test_a_search_on_local_processes_finds_the_serial_pool(one_rate):
+    p, serial = one_rate
+    assert _search_result(search(p, fanout=Fanout(2))) == serial
 
 
 class RayHead:
@@ -124,9 +165,11 @@ def ray_head():
     assert time.monotonic() - t0 < 400
 
 
-def test_a_ray_cluster_gives_the_serial_schedule(serial, ray_head, tmp_path):
+def test_a_ray_cluster_gives_the_serial_schedule(serial, one_rate, ray_head, tmp_path):
     got = _result(plan_schedule(_problem(tmp_path), fanout=Fanout(ray=ray_head.address)))
     assert got == serial
+    p, one = one_rate  # and one rate's search
+    assert _search_result(search(p, fanout=Fanout(ray=ray_head.address))) == one
     # and through the command line
     out = tmp_path / "day"
     assert main(["plan", str(tmp_path / "plan.yaml"), "--ray", ray_head.address,

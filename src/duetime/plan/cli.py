@@ -106,7 +106,13 @@ def _cmd_plan(args: argparse.Namespace, error: type[Exception]) -> int:
           f"{problem.router}", file=sys.stderr)
     if problem.intervals:
         return _schedule(args, problem, error)
-    result = (enumerate_grid if args.grid else search)(problem)
+    fanout = fanout_from(args.workers, args.ray)
+    try:
+        result = (enumerate_grid if args.grid else search)(problem, fanout=fanout)
+    except (RuntimeError, ConnectionError) as e:
+        if args.ray is None:
+            raise
+        raise error(f"--ray: {' '.join(str(e).split())}") from None
     data = write_plan(Path(args.out), problem, result)
     best = result.best
     if best is None:
@@ -202,7 +208,7 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="a schedule's interval (default 15 minutes)")
     p.add_argument("--scale-up-delay", type=float, default=None, metavar="S",
                    help="seconds a new replica costs before it serves (default 60)")
-    add_fanout_options(p, "a schedule's rate levels searched")
+    add_fanout_options(p, "the plan's simulations (a schedule's: its rate levels)")
     p.add_argument("--grid", action="store_true",
                    help="simulate every pool of the space instead of searching (slow; the "
                    "reference the search is tested against)")

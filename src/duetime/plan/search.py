@@ -16,10 +16,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from duetime.experiments.fanout import Fanout
 from duetime.plan.bounds import (
     class_attainment_bound,
     feasible_split,
@@ -126,50 +128,89 @@ def objective_key(problem: PlanProblem, pool: Pool) -> tuple[float, float]:
     return (gpus, cost) if problem.objective == "gpus" else (cost, gpus)
 
 
-def search(problem: PlanProblem, ev: Evaluator | None = None) -> SearchResult:
-    """The cheapest pool that meets the constraints (see the module doc)."""
+def search(problem: PlanProblem, ev: Evaluator | None = None,
+           fanout: Fanout | None = None) -> SearchResult:
+    """The cheapest pool that meets the constraints (see the module doc). With a ``fanout``,
+    the pools the walk would simulate next are simulated at once (other processes, or Ray)
+    and the first, in the walk's order, that meets is the answer: the pool a serial search
+    finds, with a few simulations more (those started ahead of it)."""
     t0 = time.perf_counter()
     ev = ev or Evaluator(problem)
+    fanout = fanout or Fanout()
+    counts = {"considered": 0}
+    pruned = {"budget": 0, "idle attainment": 0, "quality": 0, "saturation": 0}
+    walk = _walk(problem, Bounds(ev), counts, pruned)
+    best = None
+    if fanout.serial:
+        best = next((o for o in map(ev.evaluate, walk) if o.meets), None)
+    else:
+        with fanout.pool() as workers:
+            for o, sims, wall in workers.imap(evaluate_elsewhere,
+                                              ((problem, pool) for pool in walk)):
+                ev.outcomes[o.pool] = o
+                ev.simulations += sims
+                ev.sim_wall_s += wall
+                if o.meets:
+                    best = o
+                    break
+    return SearchResult(best, ev.simulations, counts["considered"], pruned,
+                        time.perf_counter() - t0, list(ev.outcomes.values()))
+
+
+def _walk(problem: PlanProblem, bounds: Bounds, counts: dict[str, int],
+          pruned: dict[str, int]) -> Iterator[Pool]:
+    """The pools to simulate, cheapest first (by the objective), those the bounds rule out
+    counted in ``pruned`` and skipped."""
     space = Space(problem)
-    bounds = Bounds(ev)
     budget = problem.constraints.budget
     start = space.start()
     heap: list[tuple[tuple[float, float], tuple]] = [((0.0, 0.0), start)]
     seen = {start}
-    pruned = {"budget": 0, "idle attainment": 0, "quality": 0, "saturation": 0}
-    considered = 0
-    best = None
     while heap:
         _, state = heapq.heappop(heap)
         pool = space.pool(state)
         if budget is not None and pool_cost(pool, problem) > budget:
             pruned["budget"] += 1  # (and every pool above it: they cost more)
             continue
-        if pool:
-            considered += 1
-            why = bounds.why_not(pool)
-            if why:
-                pruned[why] += 1
-            else:
-                out = ev.evaluate(pool)
-                if out.meets:
-                    best = out
-                    break
         for nxt in space.successors(state):
             if nxt not in seen:
                 seen.add(nxt)
                 heapq.heappush(heap, (objective_key(problem, space.pool(nxt)), nxt))
-    return SearchResult(best, ev.simulations, considered, pruned,
-                        time.perf_counter() - t0, list(ev.outcomes.values()))
+        if pool:
+            counts["considered"] += 1
+            why = bounds.why_not(pool)
+            if why:
+                pruned[why] += 1
+            else:
+                yield pool
 
 
-def enumerate_grid(problem: PlanProblem, ev: Evaluator | None = None) -> SearchResult:
-    """Every pool of the space simulated; the best (by the objective) that meets the
-    constraints."""
+def evaluate_elsewhere(problem: PlanProblem, pool: Pool) -> tuple[Outcome, int, float]:
+    """A pool's outcome on a fresh evaluator (the same outcome: every evaluator of a problem
+    simulates on the same stream), its simulation runs and their wall time (a module-level
+    function: fan-outs pickle it)."""
+    ev = Evaluator(problem)
+    o = ev.evaluate(pool)
+    return o, ev.simulations, ev.sim_wall_s
+
+
+def enumerate_grid(problem: PlanProblem, ev: Evaluator | None = None,
+                   fanout: Fanout | None = None) -> SearchResult:
+    """Every pool of the space simulated (where ``fanout`` says); the best (by the objective)
+    that meets the constraints."""
     t0 = time.perf_counter()
     ev = ev or Evaluator(problem)
-    space = Space(problem)
-    outs = [ev.evaluate(space.pool(s)) for s in space.all_states()]
+    fanout = fanout or Fanout()
+    pools = [Space(problem).pool(s) for s in Space(problem).all_states()]
+    if fanout.serial:
+        outs = [ev.evaluate(p) for p in pools]
+    else:
+        outs = []
+        for o, sims, wall in fanout.map(evaluate_elsewhere, [(problem, p) for p in pools]):
+            ev.outcomes[o.pool] = o
+            ev.simulations += sims
+            ev.sim_wall_s += wall
+            outs.append(o)
     ok = [o for o in outs if o.meets]
     best = min(ok, key=lambda o: (objective_key(problem, o.pool),
                                   [(x.name, r) for x, r in o.pool])) if ok else None
