@@ -3,5 +3,7 @@
 from duetime.sim.cluster import ClusterSim, SimResult
 from duetime.sim.instance import SimInstance
 from duetime.sim.loop import run_clients
+from duetime.sim.scaling import Autoscaler, PoolStatus, Scaling, Scripted, Static
 
-__all__ = ["ClusterSim", "SimInstance", "SimResult", "run_clients"]
+__all__ = ["Autoscaler", "ClusterSim", "PoolStatus", "Scaling", "Scripted", "SimInstance",
+           "SimResult", "Static", "run_clients"]

@@ -40,6 +40,7 @@ from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_bloc
 from duetime.sim.fleet import RouterFleet
 from duetime.sim.instance import SimClock, SimInstance
 from duetime.sim.loop import run_clients
+from duetime.sim.scaling import Scaling, ScalingPool, ScalingRecord
 from duetime.workload.profile import WorkloadProfile
 from duetime.workload.requests import RequestSet
 
@@ -68,6 +69,7 @@ class SimResult:
     # prefix_cache_queries / prefix_cache_hits counters)
     prefix_queries: np.ndarray | None = None
     prefix_hits: np.ndarray | None = None
+    scaling: ScalingRecord | None = None  # a scaling pool's replicas and changes
 
     @property
     def model(self) -> np.ndarray:
@@ -116,6 +118,13 @@ class SimResult:
         return float(np.nanmax(self.finish) - self.requests.arrival[0]) if len(self.finish) else 0.0
 
 
+def _board(insts: list[SimInstance]) -> None:
+    """The instances' wait summaries kept on one (new) board, a row each."""
+    board = LoadBoard(len(insts))
+    for k, inst in enumerate(insts):
+        inst.join_board(board, k)
+
+
 def _due(busy_until: np.ndarray, t: float) -> np.ndarray:
     """The engines with a step to start before ``t`` (their clock while busy is before it)."""
     return np.flatnonzero(busy_until < t)
@@ -145,7 +154,8 @@ class ClusterSim:
                  length_model: LengthModel | None = None,
                  prefix_caching: bool | None = None, cache_view: str = "precise",
                  step_scale: float = 1.0,
-                 instance_specs: Mapping[str, InstanceSpec] | None = None) -> None:
+                 instance_specs: Mapping[str, InstanceSpec] | None = None,
+                 scaling: Scaling | None = None) -> None:
         """``instances``: (instance name, model name) pairs; default the profile's
         (:meth:`~duetime.workload.profile.WorkloadProfile.instance_pairs`: one per model, or
         its ``replicas``; several pairs may name one model).
@@ -164,13 +174,18 @@ class ClusterSim:
         says (a server slower or faster than its profile); the routers price steps with the
         calibration, so it needs routers with views of their own (a
         :class:`~duetime.sim.fleet.RouterFleet`: a router reading the true state would read
-        the true step times), which may learn the pace (``FleetSpec.step_correction``)."""
+        the true step times), which may learn the pace (``FleetSpec.step_correction``).
+        ``scaling``: the pool changes as an autoscaler decides (:mod:`duetime.sim.scaling`;
+        ``instances`` is the pool at the start; a new replica of a model runs the spec of the
+        model's first instance); open loop, one router."""
         if not math.isfinite(step_scale) or step_scale <= 0:
             raise ValueError(f"step_scale must be a positive number, got {step_scale!r}")
         if step_scale != 1.0 and not isinstance(policy, RouterFleet):
             raise ValueError("step_scale needs routers with views of their own (a RouterFleet"
                              ", --routers N): a router reading the true state reads the true "
                              "step times")
+        if scaling is not None and isinstance(policy, RouterFleet):
+            raise ValueError("scaling: one router (a RouterFleet's views are fixed at the start)")
         if not isinstance(quality, QualitySource) and quality not in ("table", "oracle"):
             raise ValueError(f"quality: 'table', 'oracle' or a QualitySource, got {quality!r}")
         if prefix_caching is not None and not isinstance(prefix_caching, bool):
@@ -195,6 +210,7 @@ class ClusterSim:
         self.cache_view = cache_view
         self.step_scale = float(step_scale)
         self.instance_specs = dict(instance_specs or {})
+        self.scaling = scaling
         unknown = set(self.instance_specs) - {name for name, _ in pairs}
         if unknown:
             raise ValueError(f"instance_specs: no such instance(s) {sorted(unknown)}")
@@ -215,9 +231,11 @@ class ClusterSim:
         """Route ``requests`` in arrival order (open loop), or with ``closed_loop`` = N
         clients that each send their next request when the previous one finishes (the
         requests' own arrival times are then ignored and replaced)."""
+        if self.scaling is not None and closed_loop is not None:
+            raise ValueError("scaling: open loop only")
         warm_up()  # (the compiled paths loaded before the clock starts)
         warm_up_tiers()
-        batching = len(self.pairs) >= BATCH_AT
+        batching = len(self.pairs) >= BATCH_AT and self.scaling is None
         if batching:
             warm_up_stepper()
         t_wall = wallclock.perf_counter()
@@ -232,10 +250,9 @@ class ClusterSim:
         insts = [SimInstance(name, self.spec(m, name), noise=self.noise, cache_view=self.cache_view,
                              seed=int(s), step_scale=self.step_scale, clock=clock)
                  for (name, m), s in zip(self.pairs, noise_seeds, strict=True)]
-        if getattr(self.policy, "uses_load_board", False):
-            board = LoadBoard(len(insts))
-            for k, inst in enumerate(insts):
-                inst.join_board(board, k)
+        on_board = getattr(self.policy, "uses_load_board", False)
+        if on_board:
+            _board(insts)
         inst_model = [models.index(m) for _, m in self.pairs]
         n = len(requests)
         if self.length_model is None:
@@ -262,6 +279,25 @@ class ClusterSim:
                                      i.spec.price_output, i)
                            for i, mi in zip(insts, inst_model, strict=True))
         cand_model = np.array(inst_model)
+        cand_index = None  # candidate -> instance, where they differ (a scaling pool)
+        scaler = None
+        if self.scaling is not None:
+            spec_of = {m: inst.spec for inst, (_, m) in zip(insts[::-1], self.pairs[::-1],
+                                                             strict=True)}
+            seeds = np.random.SeedSequence([self.seed, 1])
+
+            def make(name: str, model: str) -> SimInstance:
+                s = int(seeds.spawn(1)[0].generate_state(1, np.uint64)[0] >> 2)
+                return SimInstance(name, spec_of.get(model) or self.spec(model), noise=self.noise,
+                                   cache_view=self.cache_view, seed=s,
+                                   step_scale=self.step_scale, clock=clock)
+
+            scaler = ScalingPool(self.scaling, insts, [m for _, m in self.pairs], make,
+                                 float(requests.arrival[0]) if len(requests) else 0.0)
+
+            def cands_all(index: list[int]) -> list[Candidate]:
+                return [Candidate(insts[k].name, scaler.models[k], insts[k].spec.price_prompt,
+                                  insts[k].spec.price_output, insts[k]) for k in index]
         chosen = np.zeros(n, dtype=np.int64)
         forecast = np.full(n, np.nan)
         shadow = {est.name: np.full(n, np.nan) for est in self.shadow_estimators}
@@ -291,7 +327,8 @@ class ClusterSim:
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
-            inst = insts[d.index]
+            k = d.index if cand_index is None else cand_index[d.index]
+            inst = insts[k]
             if lazy and inst.busy_until() < t:
                 inst.advance(t)
             for est in self.shadow_estimators:
@@ -300,12 +337,14 @@ class ClusterSim:
             inst.sync()
             if self.charge_overhead:  # the request reaches the instance after the decision
                 inst.advance(t + overhead[i])
-            mi = inst_model[d.index]
+            mi = inst_model[k]
             out = int(requests.output[i, mi])
             hashes = (engine_hashes(requests, i, out, inst.engine.config.block_size)
                       if shared and inst.engine.caching else ())
             inst.submit(str(i), int(requests.prompt[i]), out, int(pred_out[i, mi]), t, hashes)
-            chosen[i] = d.index
+            chosen[i] = k
+            if scaler is not None:
+                scaler.routed_to(models[mi])
             if d.forecast is not None:
                 forecast[i] = d.forecast
 
@@ -320,15 +359,32 @@ class ClusterSim:
             busy_until = np.full(len(insts), np.inf)  # engine clock while it has work
             stepper = (BatchStepper([i.engine if i.fronted is None else None for i in insts])
                        if batching else None)
+
+            def step_to(t: float) -> None:
+                nonlocal busy_until
+                if len(busy_until) < len(insts):  # replicas added since (idle)
+                    busy_until = np.append(busy_until, np.full(len(insts) - len(busy_until),
+                                                               np.inf))
+                due = _due(busy_until, t)
+                if stepper is not None and due.shape[0]:
+                    due = stepper.advance(due, t, busy_until)
+                for k in due.tolist():
+                    insts[k].advance(t)
+                    busy_until[k] = insts[k].busy_until()
+
             for i in range(n):
                 t = float(requests.arrival[i])
-                if not lazy:
-                    due = _due(busy_until, t)
-                    if stepper is not None and due.shape[0]:
-                        due = stepper.advance(due, t, busy_until)
-                    for k in due.tolist():
-                        insts[k].advance(t)
-                        busy_until[k] = insts[k].busy_until()
+                if scaler is not None and scaler.next_event <= t:
+                    grew = len(insts)
+                    if scaler.until(t, step_to) or len(insts) > grew:
+                        if on_board and len(insts) > grew:
+                            _board(insts)
+                        inst_model = [models.index(m) for m in scaler.models]
+                        cand_index = scaler.serving()
+                        cands = Candidates(cands_all(cand_index))
+                        cand_model = np.array([inst_model[k] for k in cand_index])
+                if not lazy or len(busy_until) < len(insts):
+                    step_to(t if not lazy else -math.inf)  # (lazy: only grown)
                 dispatch(i, t)
                 k = int(chosen[i])
                 busy_until[k] = insts[k].busy_until()
@@ -336,6 +392,8 @@ class ClusterSim:
             requests = self._closed_loop(requests, insts, closed_loop, dispatch)
         first = np.full(n, np.nan)
         fin = np.full(n, np.nan)
+        if scaler is not None:
+            inst_model = [models.index(m) for m in scaler.models]
         for k, inst in enumerate(insts):
             inst.drain()
             mine = np.flatnonzero(chosen == k)
@@ -346,9 +404,12 @@ class ClusterSim:
         if any(inst.engine.caching for inst in insts):
             queries = np.array([inst.engine.prefix_queries for inst in insts], dtype=np.int64)
             hits = np.array([inst.engine.prefix_hits for inst in insts], dtype=np.int64)
-        return SimResult(requests, [name for name, _ in self.pairs], inst_model, chosen, first,
+        scaled = None
+        if scaler is not None:
+            scaled = scaler.record(fin, chosen, float(np.nanmax(fin)) if n else 0.0)
+        return SimResult(requests, [inst.name for inst in insts], inst_model, chosen, first,
                          fin, forecast, shadow, overhead, prof.lam, prices,
-                         wallclock.perf_counter() - t_wall, queries, hits)
+                         wallclock.perf_counter() - t_wall, queries, hits, scaled)
 
     def quality_source(self, requests: RequestSet) -> QualitySource:
         """What the router predicts quality (and success) with for ``requests``."""

@@ -1,0 +1,277 @@
+"""Pools that change while a simulation runs: replicas added after a scale-up delay (model
+load and warm-up) and removed by draining (no new requests; those in flight finish), as an
+autoscaler decides at every interval.
+
+An :class:`Autoscaler` reads a :class:`PoolStatus` at each tick (every ``interval_s`` of
+simulated time; the instances stepped to the tick first) and says how many replicas of each
+model it wants. :class:`ScalingPool` carries it out: a replica asked for is created at once
+(its GPUs paid from then) and serves from ``scale_up_delay_s`` later; a replica no longer
+wanted is, if still starting, cancelled (paid until then), else drained (the one with the
+fewest requests, the newest among equals), paid until its last request finishes. Replicas
+are never reused: each scale-up is a new instance (a fresh engine: an empty prefix cache).
+
+With an autoscaler that never changes the pool (``static``) a run is the run without
+scaling, request for request (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from duetime.sim.instance import SimInstance
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatus:
+    """What an autoscaler sees at a tick: per model, its replicas by state, the requests routed
+    to it since the last tick and those queued or running at its serving replicas now."""
+
+    t: float
+    window_s: float
+    ready: Mapping[str, int]
+    starting: Mapping[str, int]
+    draining: Mapping[str, int]
+    routed: Mapping[str, int]
+    waiting: Mapping[str, int]
+    running: Mapping[str, int]
+
+    def provisioned(self, model: str) -> int:
+        """Replicas serving or starting (what a scale-up adds to)."""
+        return self.ready.get(model, 0) + self.starting.get(model, 0)
+
+
+class Autoscaler(Protocol):
+    """Decides, at each tick, how many replicas of each model the pool should have (models it
+    leaves out keep what they have)."""
+
+    name: str
+
+    def desired(self, status: PoolStatus) -> Mapping[str, int]: ...
+
+
+@dataclass(slots=True)
+class Static:
+    """A fixed pool: never changes it."""
+
+    name: str = "static"
+
+    def desired(self, status: PoolStatus) -> Mapping[str, int]:
+        return {}
+
+
+@dataclass(slots=True)
+class Scripted:
+    """Replicas per model from a timetable: ``steps`` of (from time s, {model: replicas}), in
+    time order (a plan's schedule, or a test's)."""
+
+    steps: tuple[tuple[float, Mapping[str, int]], ...]
+    name: str = "scripted"
+
+    def desired(self, status: PoolStatus) -> Mapping[str, int]:
+        out: dict[str, int] = {}
+        for t0, want in self.steps:
+            if t0 <= status.t:
+                out.update(want)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """How a simulated pool changes: the ``autoscaler``, asked every ``interval_s``; a new
+    replica serves ``scale_up_delay_s`` after it is asked for; each model keeps between
+    ``min_replicas`` and ``max_replicas`` provisioned; ``gpus``: GPUs a replica of a model
+    holds (default 1), for GPU-hours."""
+
+    autoscaler: Autoscaler
+    interval_s: float = 30.0
+    scale_up_delay_s: float = 60.0
+    min_replicas: int = 1
+    max_replicas: int = 8
+    gpus: Mapping[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0 or not math.isfinite(self.interval_s):
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s!r}")
+        if not self.scale_up_delay_s >= 0:
+            raise ValueError(f"scale_up_delay_s must be >= 0, got {self.scale_up_delay_s!r}")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ValueError(f"want 0 <= min_replicas <= max_replicas (>= 1), got "
+                             f"{self.min_replicas}, {self.max_replicas}")
+
+
+@dataclass(slots=True)
+class Replica:
+    """One instance's life in a scaling pool (times in simulated seconds)."""
+
+    name: str
+    model: str
+    asked: float                 # when it was asked for (paid from here)
+    ready: float                 # when it serves
+    drained: float = math.inf    # when it stopped taking requests (cancelled, if not ready)
+    released: float = math.inf   # when it was let go (its last request done); set at the end
+    serving: bool = False        # takes requests now (the pool's clock)
+
+    def state(self, t: float) -> str:
+        if t >= self.drained:
+            return "draining" if self.drained >= self.ready else "cancelled"
+        return "ready" if t >= self.ready else "starting"
+
+
+@dataclass(slots=True)
+class ScalingRecord:
+    """What a run's scaling did: every replica's life and every change asked for."""
+
+    replicas: list[Replica]
+    events: list[tuple[float, str, int]]  # (time, model, +1 asked / -1 drained or cancelled)
+    timeline: list[tuple[float, dict[str, int]]]  # (tick, serving replicas per model)
+    gpus: dict[str, int]
+
+    def gpu_hours(self) -> float:
+        return sum(self.gpus.get(r.model, 1) * (r.released - r.asked)
+                   for r in self.replicas) / 3600.0
+
+    def instance_hours(self) -> float:
+        return sum(r.released - r.asked for r in self.replicas) / 3600.0
+
+
+class ScalingPool:
+    """The simulator's side of a scaling pool: which instances take requests (:meth:`serving`)
+    and, up to each arrival (:meth:`until`), the replicas that become ready and the ticks at
+    which the autoscaler is asked."""
+
+    def __init__(self, scaling: Scaling, insts: list[SimInstance], models: list[str],
+                 make: Callable[[str, str], SimInstance], start: float) -> None:
+        """``insts`` / ``models``: the pool at ``start`` (serving; both lists grow as replicas
+        are added); ``make(name, model)``: a new instance of a model."""
+        self.scaling = scaling
+        self.insts = insts
+        self.models = models
+        self.make = make
+        self.replicas = [Replica(i.name, m, start, start, serving=True)
+                         for i, m in zip(insts, models, strict=True)]
+        self.events: list[tuple[float, str, int]] = []
+        self.timeline: list[tuple[float, dict[str, int]]] = []
+        self.next_tick = start + scaling.interval_s
+        self.routed: dict[str, int] = {}
+        self._counter: dict[str, int] = {}
+        for m in models:
+            self._counter[m] = self._counter.get(m, 0) + 1
+        self._starting: list[int] = []  # replicas asked for and not serving yet
+
+    @property
+    def next_event(self) -> float:
+        """When the pool next changes or is looked at: a tick, or a replica becoming ready."""
+        ready = min((self.replicas[k].ready for k in self._starting), default=math.inf)
+        return min(self.next_tick, ready)
+
+    def serving(self) -> list[int]:
+        """Indices (into the instances) of those that take requests now."""
+        return [k for k, r in enumerate(self.replicas) if r.serving]
+
+    def routed_to(self, model: str) -> None:
+        self.routed[model] = self.routed.get(model, 0) + 1
+
+    def until(self, t: float, step_to: Callable[[float], None]) -> bool:
+        """Everything due up to ``t``, in time order (``step_to(tick)`` brings the instances
+        to a tick before the autoscaler reads them); whether the serving set changed."""
+        changed = False
+        while self.next_event <= t:
+            ready = min((self.replicas[k].ready for k in self._starting), default=math.inf)
+            if ready <= self.next_tick:
+                for k in [k for k in self._starting if self.replicas[k].ready <= ready]:
+                    self._starting.remove(k)
+                    self.replicas[k].serving = True
+                    changed = True
+            else:
+                tick = self.next_tick
+                step_to(tick)
+                changed |= self.tick(tick)
+        return changed
+
+    def status(self, t: float) -> PoolStatus:
+        ready: dict[str, int] = {}
+        starting: dict[str, int] = {}
+        draining: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        running: dict[str, int] = {}
+        for r, inst in zip(self.replicas, self.insts, strict=True):
+            state = r.state(t)
+            if state == "draining":
+                if inst.busy_until() < math.inf:
+                    draining[r.model] = draining.get(r.model, 0) + 1
+            elif state == "starting":
+                starting[r.model] = starting.get(r.model, 0) + 1
+            elif state == "ready":
+                ready[r.model] = ready.get(r.model, 0) + 1
+                waiting[r.model] = waiting.get(r.model, 0) + inst.num_waiting
+                running[r.model] = running.get(r.model, 0) + inst.num_running
+        return PoolStatus(t, self.scaling.interval_s, ready, starting, draining,
+                          dict(self.routed), waiting, running)
+
+    def tick(self, t: float) -> bool:
+        """Ask the autoscaler at ``t`` (the instances stepped to it) and carry out what it
+        wants; whether the serving set changed now (new replicas serve later)."""
+        s = self.scaling
+        status = self.status(t)
+        self.timeline.append((t, dict(status.ready)))
+        self.routed = {}
+        self.next_tick = t + s.interval_s
+        changed = False
+        for model, want in s.autoscaler.desired(status).items():
+            want = min(max(int(want), s.min_replicas), s.max_replicas)
+            have = status.provisioned(model)
+            for _ in range(want - have):
+                self._add(model, t)
+            if want < have:
+                changed |= self._remove(model, have - want, t)
+        return changed
+
+    def _add(self, model: str, t: float) -> None:
+        k = self._counter.get(model, 0)
+        self._counter[model] = k + 1
+        name = f"{model}.{k}"
+        self.insts.append(self.make(name, model))
+        self.models.append(model)
+        self.replicas.append(Replica(name, model, t, t + self.scaling.scale_up_delay_s))
+        self._starting.append(len(self.replicas) - 1)
+        self.events.append((t, model, +1))
+
+    def _remove(self, model: str, n: int, t: float) -> bool:
+        """Cancel starting replicas (newest first), then drain serving ones (fewest requests,
+        newest among equals); whether a serving one stopped."""
+        starting = [k for k in self._starting if self.replicas[k].model == model][::-1]
+        serving = sorted((k for k, r in enumerate(self.replicas)
+                          if r.model == model and r.serving),
+                         key=lambda k: (self.insts[k].num_running + self.insts[k].num_waiting,
+                                        -k))
+        changed = False
+        for k in (starting + serving)[:n]:
+            r = self.replicas[k]
+            r.drained = t
+            self.events.append((t, model, -1))
+            if k in self._starting:
+                self._starting.remove(k)
+            else:
+                r.serving = False
+                changed = True
+        return changed
+
+    def record(self, finish: np.ndarray, chosen: np.ndarray, end: float) -> ScalingRecord:
+        """Every replica released when its last request finished (or when it was cancelled
+        or drained idle, or at the run's ``end`` if still serving)."""
+        for k, r in enumerate(self.replicas):
+            mine = finish[chosen == k]
+            last = float(np.nanmax(mine)) if mine.size else -math.inf
+            if r.drained == math.inf:
+                r.released = max(end, last, r.asked)
+            elif r.drained < r.ready:  # cancelled while starting
+                r.released = r.drained
+            else:
+                r.released = max(r.drained, last)
+        return ScalingRecord(self.replicas, self.events, self.timeline,
+                             {m: self.scaling.gpus.get(m, 1) for m in set(self.models)})

@@ -1,0 +1,136 @@
+"""Pools that change in the simulator (duetime.sim.scaling): exact when nothing scales; a new
+replica serves only after its scale-up delay; a drained one takes no new request and finishes
+those it has; GPU time is counted from asking to release."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from duetime.policy import make_policy
+from duetime.sim import ClusterSim
+from duetime.sim.fleet import FleetSpec
+from duetime.sim.scaling import Scaling, Scripted, Static
+from duetime.workload import load_workload, make_arrivals, sample_requests
+
+PAPER = load_workload("paper")
+
+
+def stream(rate: float, n: int, seed: int = 3):
+    rng = np.random.default_rng(seed)
+    return sample_requests(PAPER, make_arrivals("poisson", rate).times(n, rng), rng)
+
+
+def run(policy: str, reqs, scaling=None, instances=None):
+    pol = make_policy(policy, defaults={"lambda": PAPER.lam, "seed": 0, "delta": 1e-6})
+    return ClusterSim(PAPER, pol, seed=0, scaling=scaling, instances=instances).run(reqs)
+
+
+@pytest.mark.parametrize("policy", ["sfs", "round-robin", "load-aware"])
+def test_a_pool_that_never_changes_runs_as_without_scaling(policy):
+    reqs = stream(7.0, 1500)
+    plain = run(policy, reqs)
+    static = run(policy, reqs, Scaling(Static(), interval_s=5.0))
+    assert np.array_equal(static.instance, plain.instance)
+    assert np.array_equal(static.first_token, plain.first_token)
+    assert np.array_equal(static.finish, plain.finish)
+    rec = static.scaling
+    assert rec.events == [] and len(rec.timeline) > 10
+    assert rec.instance_hours() == pytest.approx(3 * (np.nanmax(plain.finish)
+                                                      - reqs.arrival[0]) / 3600)
+
+
+def test_a_new_replica_serves_only_after_its_delay():
+    reqs = stream(6.0, 1500)
+    t0 = float(reqs.arrival[0])
+    up = Scripted(((t0 + 30.0, {"qwen3-8b": 3}),))
+    res = run("round-robin", reqs, Scaling(up, interval_s=10.0, scale_up_delay_s=45.0))
+    rec = res.scaling
+    new = [k for k, r in enumerate(rec.replicas) if r.model == "qwen3-8b" and r.asked > t0]
+    assert len(new) == 2 and [e[2] for e in rec.events] == [1, 1]
+    for k in new:
+        r = rec.replicas[k]
+        assert r.asked == pytest.approx(t0 + 30.0) and r.ready == pytest.approx(t0 + 75.0)
+        mine = res.instance == k
+        assert mine.any() and (reqs.arrival[mine] >= r.ready).all()
+    # round-robin over the larger pool once they serve: the 8B model gets more of the traffic
+    later = reqs.arrival >= t0 + 75.0
+    share = np.mean(res.model[later] == PAPER.model_names.index("qwen3-8b"))
+    assert share == pytest.approx(3 / 5, abs=0.05)
+
+
+def test_a_drained_replica_takes_nothing_new_and_finishes_what_it_has():
+    reqs = stream(6.0, 1200)
+    t0 = float(reqs.arrival[0])
+    pairs = [("qwen3-0.6b", "qwen3-0.6b"), *[(f"qwen3-8b.{k}", "qwen3-8b") for k in range(3)],
+             ("qwen3-32b", "qwen3-32b")]
+    down = Scripted(((t0 + 40.0, {"qwen3-8b": 1}),))
+    res = run("load-aware", reqs, Scaling(down, interval_s=20.0), instances=pairs)
+    rec = res.scaling
+    drained = [k for k, r in enumerate(rec.replicas) if r.drained < math.inf]
+    assert len(drained) == 2
+    assert not np.isnan(res.finish).any()  # every request finished
+    for k in drained:
+        r = rec.replicas[k]
+        mine = res.instance == k
+        assert (reqs.arrival[mine] < r.drained).all()
+        last = res.finish[mine].max() if mine.any() else r.drained
+        assert r.released == pytest.approx(max(r.drained, last))
+    kept = [r for r in rec.replicas if r.model == "qwen3-8b" and r.drained == math.inf]
+    assert len(kept) == 1
+
+
+def test_a_replica_let_go_while_starting_is_paid_until_then():
+    reqs = stream(4.0, 600)
+    t0 = float(reqs.arrival[0])
+    plan = Scripted(((t0 + 20.0, {"qwen3-32b": 2}), (t0 + 40.0, {"qwen3-32b": 1})))
+    res = run("round-robin", reqs, Scaling(plan, interval_s=20.0, scale_up_delay_s=60.0,
+                                           gpus={"qwen3-32b": 2}))
+    rec = res.scaling
+    k = next(k for k, r in enumerate(rec.replicas) if r.asked > t0)
+    r = rec.replicas[k]
+    assert r.drained == pytest.approx(t0 + 40.0) and r.drained < r.ready
+    assert r.released == r.drained and not (res.instance == k).any()
+    end = float(np.nanmax(res.finish))
+    expect = (2 * 20.0 + (end - t0) * (1 + 1 + 2)) / 3600  # the cancelled one, the pool
+    assert rec.gpu_hours() == pytest.approx(expect)
+
+
+def test_replica_bounds_and_what_cannot_scale():
+    reqs = stream(4.0, 300)
+    t0 = float(reqs.arrival[0])
+    many = Scripted(((t0 + 10.0, {"qwen3-8b": 50, "qwen3-0.6b": 0}),))
+    res = run("round-robin", reqs, Scaling(many, interval_s=10.0, scale_up_delay_s=0.0,
+                                           max_replicas=4, min_replicas=1))
+    counts = {m: sum(1 for r in res.scaling.replicas if r.model == m) for m in PAPER.models}
+    assert counts == {"qwen3-0.6b": 1, "qwen3-8b": 4, "qwen3-32b": 1}
+    with pytest.raises(ValueError, match="min_replicas"):
+        Scaling(Static(), min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="interval_s"):
+        Scaling(Static(), interval_s=0)
+    pol = make_policy("sfs", defaults={"lambda": PAPER.lam, "seed": 0, "delta": 1e-6})
+    fleet = FleetSpec(2, "shared", 0.1, "random").fleet(
+        lambda k: make_policy("sfs", defaults={"lambda": PAPER.lam, "seed": k}), 0)
+    with pytest.raises(ValueError, match="one router"):
+        ClusterSim(PAPER, fleet, scaling=Scaling(Static()))
+    with pytest.raises(ValueError, match="open loop"):
+        ClusterSim(PAPER, pol, scaling=Scaling(Static())).run(reqs, closed_loop=4)
+
+
+def test_sfs_forecasts_over_replicas_added_while_it_runs():
+    # sfs ranks replicas on the pool's board of wait summaries: the board follows the pool
+    reqs = stream(9.0, 1500)
+    t0 = float(reqs.arrival[0])
+    up = Scripted(((t0 + 20.0, {"qwen3-8b": 2, "qwen3-32b": 2}),))
+    res = run("sfs", reqs, Scaling(up, interval_s=10.0, scale_up_delay_s=30.0))
+    plain = run("sfs", reqs)
+    rec = res.scaling
+    new = [k for k, r in enumerate(rec.replicas) if r.asked > t0]
+    assert len(new) == 2
+    for k in new:
+        mine = res.instance == k
+        assert mine.sum() > 20 and (reqs.arrival[mine] >= rec.replicas[k].ready).all()
+    on_time = (res.ttft <= reqs.target).mean()
+    assert on_time > (plain.ttft <= reqs.target).mean()  # more capacity, more on time
