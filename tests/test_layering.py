@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "engine": 0, "argtypes": 0, "client": 0,
     "web": 1, "predict": 1,
     "workload": 2, "estimate": 2, "calibrate": 2,
-    "policy": 3,
+    "policy": 3, "autoscale": 3,
     "emulator": 4, "sim": 4, "gateway": 4,
     "metrics": 5,
     "experiments": 6, "service": 6, "plan": 6,

@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from duetime.autoscale import Scripted, Static
 from duetime.policy import make_policy
 from duetime.sim import ClusterSim
 from duetime.sim.fleet import FleetSpec
-from duetime.sim.scaling import Scaling, Scripted, Static
+from duetime.sim.scaling import Scaling
 from duetime.workload import load_workload, make_arrivals, sample_requests
 
 PAPER = load_workload("paper")
@@ -134,3 +135,71 @@ def test_sfs_forecasts_over_replicas_added_while_it_runs():
         assert mine.sum() > 20 and (reqs.arrival[mine] >= rec.replicas[k].ready).all()
     on_time = (res.ttft <= reqs.target).mean()
     assert on_time > (plain.ttft <= reqs.target).mean()  # more capacity, more on time
+
+
+def test_the_hpa_arithmetic():
+    from duetime.autoscale.hpa import Hpa
+
+    h = Hpa()
+    assert h.recommend(0.0, 4, 1.05, 15.0) == 4          # within the tolerance
+    assert h.recommend(15.0, 4, 2.6, 15.0) == 8          # ceil(4 x 2.6) = 11, at most x2 / +4
+    assert h.recommend(30.0, 2, 1.6, 15.0) == 4          # ceil(3.2)
+    assert h.recommend(45.0, 8, 0.25, 15.0) == 8         # a scale-down waits for the window
+    assert h.recommend(400.0, 8, 0.25, 15.0) == 2        # ... 300 s after the higher wants
+
+
+class Recorder:
+    """A static autoscaler that keeps what it saw."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.seen = []
+
+    def desired(self, status):
+        self.seen.append(status)
+        return {}
+
+
+def test_an_autoscaler_sees_the_requests_first_tokens_as_they_come():
+    reqs = stream(7.0, 1200)
+    rec = Recorder()
+    res = run("sfs", reqs, Scaling(rec, interval_s=15.0))
+    ttft = res.ttft
+    checked = 0
+    for st in rec.seen:
+        for m, recent in st.recent.items():
+            got, target = recent.first_tokens_since(st.t - st.interval_s)
+            # every first token in the last interval, with its request's TTFT and target
+            mi = PAPER.model_names.index(m)
+            first = res.first_token
+            want = (res.model == mi) & (first > st.t - st.interval_s) & (first <= st.t)
+            assert np.sort(got) == pytest.approx(np.sort(ttft[want]))
+            assert np.sort(target) == pytest.approx(np.sort(reqs.target[want]))
+            checked += want.sum()
+        assert sum(st.ready.values()) == 3 and not st.starting
+    assert checked > 500
+
+
+def test_queue_threshold_scales_up_under_a_queue_and_back_down_after_the_window():
+    from duetime.autoscale import make_autoscaler
+
+    rng = np.random.default_rng(5)
+    # vLLM batches what it can: requests wait only once the batch is full, far above the
+    # pool's on-time capacity (~9 q/s); this burst queues them
+    hot = make_arrivals("poisson", 30.0).times(3600, rng)       # ~120 s
+    calm = hot[-1] + make_arrivals("poisson", 2.0).times(1400, rng)  # then ~700 s calm
+    reqs = sample_requests(PAPER, np.concatenate([hot, calm]), rng)
+    auto = make_autoscaler("queue-threshold", {"threshold": 5})
+    res = run("load-aware", reqs, Scaling(auto, interval_s=15.0, scale_up_delay_s=30.0))
+    rec = res.scaling
+    ups = [e for e in rec.events if e[2] > 0]
+    downs = [e for e in rec.events if e[2] < 0]
+    assert ups and ups[0][0] < hot[-1]                       # it scaled up during the burst
+    assert downs and min(e[0] for e in downs) >= hot[-1]     # and down only after it
+    serving = [sum(n.values()) for _, n in rec.timeline]
+    assert max(serving) > 3 and serving[-1] < max(serving)
+    with pytest.raises(ValueError, match="threshold"):
+        make_autoscaler("queue-threshold", {"threshold": 0})
+    with pytest.raises(ValueError, match="no parameter"):
+        make_autoscaler("queue-threshold", {"limit": 3})

@@ -17,67 +17,16 @@ scaling, request for request (tested).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
+from duetime.autoscale.status import Autoscaler, PoolStatus, Recent
 from duetime.sim.instance import SimInstance
 
-
-@dataclass(frozen=True, slots=True)
-class PoolStatus:
-    """What an autoscaler sees at a tick: per model, its replicas by state, the requests routed
-    to it since the last tick and those queued or running at its serving replicas now."""
-
-    t: float
-    window_s: float
-    ready: Mapping[str, int]
-    starting: Mapping[str, int]
-    draining: Mapping[str, int]
-    routed: Mapping[str, int]
-    waiting: Mapping[str, int]
-    running: Mapping[str, int]
-
-    def provisioned(self, model: str) -> int:
-        """Replicas serving or starting (what a scale-up adds to)."""
-        return self.ready.get(model, 0) + self.starting.get(model, 0)
-
-
-class Autoscaler(Protocol):
-    """Decides, at each tick, how many replicas of each model the pool should have (models it
-    leaves out keep what they have)."""
-
-    name: str
-
-    def desired(self, status: PoolStatus) -> Mapping[str, int]: ...
-
-
-@dataclass(slots=True)
-class Static:
-    """A fixed pool: never changes it."""
-
-    name: str = "static"
-
-    def desired(self, status: PoolStatus) -> Mapping[str, int]:
-        return {}
-
-
-@dataclass(slots=True)
-class Scripted:
-    """Replicas per model from a timetable: ``steps`` of (from time s, {model: replicas}), in
-    time order (a plan's schedule, or a test's)."""
-
-    steps: tuple[tuple[float, Mapping[str, int]], ...]
-    name: str = "scripted"
-
-    def desired(self, status: PoolStatus) -> Mapping[str, int]:
-        out: dict[str, int] = {}
-        for t0, want in self.steps:
-            if t0 <= status.t:
-                out.update(want)
-        return out
+LOOKBACK_S = 120.0  # how far back an autoscaler sees requests (at least 4 intervals)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +107,9 @@ class ScalingPool:
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.next_tick = start + scaling.interval_s
         self.routed: dict[str, int] = {}
+        self.lookback_s = max(LOOKBACK_S, 4 * scaling.interval_s)
+        # requests routed within the lookback: (request id, instance, arrival, target, output)
+        self._log: deque[tuple[int, int, float, float, int]] = deque()
         self._counter: dict[str, int] = {}
         for m in models:
             self._counter[m] = self._counter.get(m, 0) + 1
@@ -173,8 +125,34 @@ class ScalingPool:
         """Indices (into the instances) of those that take requests now."""
         return [k for k, r in enumerate(self.replicas) if r.serving]
 
-    def routed_to(self, model: str) -> None:
+    def routed_to(self, model: str, request: int, instance: int, arrival: float,
+                  target: float, output: int) -> None:
         self.routed[model] = self.routed.get(model, 0) + 1
+        self._log.append((request, instance, arrival, target, output))
+
+    def recent(self, t: float) -> dict[str, Recent]:
+        """Per model, its requests routed within the lookback as known at ``t``."""
+        log = self._log
+        while log and log[0][2] < t - self.lookback_s:
+            log.popleft()
+        if not log:
+            return {}
+        rid, inst, arrival, target, output = (np.array(c) for c in zip(*log, strict=True))
+        first = np.full(len(rid), np.nan)
+        fin = np.full(len(rid), np.nan)
+        for k in np.unique(inst).tolist():
+            sel = np.flatnonzero(inst == k)
+            f, e = self.insts[k].delivered([str(i) for i in rid[sel].tolist()])
+            first[sel], fin[sel] = f, e
+        first[first > t] = np.nan  # (a step that ends after the tick)
+        fin[fin > t] = np.nan
+        model = np.array([self.models[k] for k in inst.tolist()])
+        out = {}
+        for m in np.unique(model).tolist():
+            sel = model == m
+            out[m] = Recent(arrival[sel], first[sel], fin[sel], target[sel],
+                            output[sel].astype(float))
+        return out
 
     def until(self, t: float, step_to: Callable[[float], None]) -> bool:
         """Everything due up to ``t``, in time order (``step_to(tick)`` brings the instances
@@ -211,7 +189,8 @@ class ScalingPool:
                 waiting[r.model] = waiting.get(r.model, 0) + inst.num_waiting
                 running[r.model] = running.get(r.model, 0) + inst.num_running
         return PoolStatus(t, self.scaling.interval_s, ready, starting, draining,
-                          dict(self.routed), waiting, running)
+                          dict(self.routed), waiting, running, self.recent(t),
+                          tuple(dict.fromkeys(self.models)))
 
     def tick(self, t: float) -> bool:
         """Ask the autoscaler at ``t`` (the instances stepped to it) and carry out what it

@@ -1,0 +1,51 @@
+"""The autoscaler registry: each autoscaler declares its name, a summary and its typed
+parameters (the routing policies' :class:`~duetime.policy.registry.Param`), and is made by
+name with its parameters checked, as routing policies are.
+
+Adding one: write its class (``name``, ``summary``, ``params``, ``desired(status)``) in a
+module of this package and add it to :data:`_CLASSES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from duetime.autoscale.queue_threshold import QueueThreshold
+from duetime.autoscale.status import Autoscaler
+from duetime.autoscale.timetable import Static
+from duetime.policy.registry import PolicyError
+
+_CLASSES = (Static, QueueThreshold)
+_REGISTRY: dict[str, Any] = {cls.name: cls for cls in _CLASSES}
+
+
+def autoscaler_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
+                    where: str = "autoscaler") -> Autoscaler:
+    """An autoscaler by name, its ``params`` (by public name) checked against its
+    declarations; :class:`~duetime.policy.registry.PolicyError` naming what is wrong."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise PolicyError(f"unknown autoscaler {name!r}; one of {', '.join(_REGISTRY)}")
+    by_name = {p.name: p for p in cls.params}
+    kwargs = {}
+    for key, value in (params or {}).items():
+        p = by_name.get(key)
+        if p is None:
+            raise PolicyError(f"{where}.{key}: autoscaler {name!r} has no parameter {key!r} "
+                              f"(its parameters: {', '.join(by_name) or 'none'})")
+        kwargs[p.arg] = p.parse(value, f"{where}.{key}")
+    return cls(**kwargs)
+
+
+def describe_autoscalers(names: Iterable[str] | None = None) -> str:
+    lines = []
+    for name in names or _REGISTRY:
+        cls = _REGISTRY[name]
+        lines.append(f"{name}: {cls.summary}")
+        lines += [f"    {p.describe()}" for p in cls.params]
+    return "\n".join(lines)

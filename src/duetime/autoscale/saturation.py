@@ -1,0 +1,1 @@
+"""``llm-d-saturation``: placeholder, filled from the published control law."""
