@@ -141,11 +141,21 @@ def test_the_hpa_arithmetic():
     from duetime.autoscale.hpa import Hpa
 
     h = Hpa()
-    assert h.recommend(0.0, 4, 1.05, 15.0) == 4          # within the tolerance
-    assert h.recommend(15.0, 4, 2.6, 15.0) == 8          # ceil(4 x 2.6) = 11, at most x2 / +4
-    assert h.recommend(30.0, 2, 1.6, 15.0) == 4          # ceil(3.2)
-    assert h.recommend(45.0, 8, 0.25, 15.0) == 8         # a scale-down waits for the window
-    assert h.recommend(400.0, 8, 0.25, 15.0) == 2        # ... 300 s after the higher wants
+    assert h.recommend(0.0, 4, 1.05) == 4          # within the tolerance
+    assert h.recommend(15.0, 4, 2.6) == 8          # ceil(4 x 2.6) = 11, at most x2 / +4
+    assert h.recommend(30.0, 8, 1.6) == 13         # ceil(12.8), within 15 s of 8: <= 16
+    assert h.recommend(45.0, 8, 0.25) == 8         # a scale-down waits for the window
+    assert h.recommend(400.0, 8, 0.25) == 2        # ... 300 s after the higher wants
+    # llm-d's behaviour: up after a 30 s window, down one pod per 120 s after a 180 s window
+    from duetime.autoscale.hpa import Behavior
+
+    g = Hpa(behavior=Behavior(up_window_s=30, up_pods=4, up_period_s=60, down_window_s=180,
+                              down_pods=1, down_period_s=120))
+    assert g.scale(0.0, 3, 6) == 6 and g.scale(15.0, 6, 12) == 6  # least over 30 s: 6
+    assert g.scale(60.0, 6, 12) == 12                              # doubling within 60 s
+    assert g.scale(200.0, 12, 3) == 12             # 12 was wanted within 180 s
+    assert g.scale(300.0, 12, 3) == 11             # then one pod per 120 s
+    assert g.scale(360.0, 11, 3) == 11 and g.scale(420.0, 11, 3) == 10
 
 
 class Recorder:
@@ -203,3 +213,68 @@ def test_queue_threshold_scales_up_under_a_queue_and_back_down_after_the_window(
         make_autoscaler("queue-threshold", {"threshold": 0})
     with pytest.raises(ValueError, match="no parameter"):
         make_autoscaler("queue-threshold", {"limit": 3})
+
+
+def ramp(rng, phases):
+    """Poisson arrivals through (rate, seconds) phases."""
+    times, t0 = [], 0.0
+    for rate, secs in phases:
+        n = int(rate * secs)
+        times.append(t0 + np.sort(rng.uniform(0, secs, n)))
+        t0 += secs
+    return np.concatenate(times)
+
+
+def _status(t, ratio, ready, starting=0, model="m"):
+    """A status whose model's first tokens in the last minute have P90 TTFT / target =
+    ``ratio`` (all equal)."""
+    from duetime.autoscale import PoolStatus, Recent
+
+    n = 50
+    arrival = np.full(n, t - 10.0)
+    first = arrival + ratio * 0.5
+    recent = Recent(arrival, first, np.full(n, np.nan), np.full(n, 0.5), np.full(n, 10.0))
+    return PoolStatus(t, 15.0, {model: ready}, {model: starting}, {}, {}, {}, {},
+                      {model: recent}, (model,))
+
+
+def test_llm_d_s_law():
+    from duetime.autoscale import make_autoscaler
+
+    a = make_autoscaler("llm-d-saturation")
+    assert a.saturation(_status(100.0, 0.8, 4), "m") == pytest.approx(0.8)
+    assert a.saturation(_status(100.0, 3.0, 4), "m") == 2.0          # clamped
+    # s = 0.8 > 0.55 with 4 ready: 4 + ceil(4 (0.8 / 0.55 - 1)) = 6
+    assert a.desired(_status(100.0, 0.8, 4))["m"] == 6
+    # 2 ready of 4 provisioned: credited, 4 + ceil(4 (0.8 x 0.5 / 0.55 - 1)) = 3; the HPA's
+    # scale-down window holds it at 4 while the recommendation that asked for them is in it
+    b = make_autoscaler("llm-d-saturation")
+    assert b.desired(_status(100.0, 0.8, 2, starting=2))["m"] == 3  # (no history: the law)
+    b = make_autoscaler("llm-d-saturation")
+    assert b.desired(_status(85.0, 0.8, 4))["m"] == 6
+    assert b.desired(_status(100.0, 0.8, 2, starting=2))["m"] == 4
+    # in the band: hold; below 0.40: 6 - floor(6 (1 - 0.2 / 0.4)) = 3, one pod per 120 s
+    c = make_autoscaler("llm-d-saturation")
+    assert c.desired(_status(100.0, 0.5, 6))["m"] == 6
+    assert c.desired(_status(400.0, 0.2, 6))["m"] == 5
+    # the signal is the mean over 45 s: one hot sample among cool ones
+    d = make_autoscaler("llm-d-saturation")
+    for t, r in ((100.0, 0.2), (115.0, 0.2), (130.0, 1.4)):
+        got = d.desired(_status(t, r, 4))["m"]
+    assert got == 4  # mean (0.2 + 0.2 + 1.4) / 3 = 0.6 > 0.55 -> 5, after the 30 s window: 4
+    with pytest.raises(ValueError, match="up"):
+        make_autoscaler("llm-d-saturation", {"up": 0})
+
+
+def test_llm_d_saturation_in_the_simulator():
+    from duetime.autoscale import make_autoscaler
+
+    rng = np.random.default_rng(7)
+    arrivals = ramp(rng, [(4.0, 120), (14.0, 240), (3.0, 300)])
+    reqs = sample_requests(PAPER, arrivals, rng)
+    auto = make_autoscaler("llm-d-saturation")
+    res = run("sfs", reqs, Scaling(auto, interval_s=15.0, scale_up_delay_s=30.0))
+    serving = {round(t): sum(n.values()) for t, n in res.scaling.timeline}
+    at = lambda t: serving[min(serving, key=lambda s: abs(s - t))]  # noqa: E731
+    assert at(350) > at(100)  # more replicas in the busy phase
+    assert (res.ttft <= reqs.target).mean() > 0.95

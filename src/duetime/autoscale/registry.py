@@ -12,11 +12,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from duetime.autoscale.queue_threshold import QueueThreshold
+from duetime.autoscale.saturation import LlmdSaturation
 from duetime.autoscale.status import Autoscaler
 from duetime.autoscale.timetable import Static
 from duetime.policy.registry import PolicyError
 
-_CLASSES = (Static, QueueThreshold)
+_CLASSES = (Static, QueueThreshold, LlmdSaturation)
 _REGISTRY: dict[str, Any] = {cls.name: cls for cls in _CLASSES}
 
 
