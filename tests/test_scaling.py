@@ -278,3 +278,25 @@ def test_llm_d_saturation_in_the_simulator():
     at = lambda t: serving[min(serving, key=lambda s: abs(s - t))]  # noqa: E731
     assert at(350) > at(100)  # more replicas in the busy phase
     assert (res.ttft <= reqs.target).mean() > 0.95
+
+
+def test_the_throughput_planner_sizes_each_model_from_its_forecast_rate():
+    from duetime.autoscale import PoolStatus, make_autoscaler
+
+    a = make_autoscaler("throughput-planner", capacity={"m": 2.0})
+
+    def st(t, routed, starting=0):
+        return PoolStatus(t, 30.0, {"m": 1}, {"m": starting}, {}, {"m": routed}, {}, {}, {},
+                          ("m",))
+
+    assert a.desired(st(30.0, 150)) == {}            # (180 s between decisions)
+    for t in (60.0, 90.0, 120.0, 150.0):
+        assert a.desired(st(t, 150)) == {}
+    assert a.desired(st(180.0, 150)) == {"m": 3}     # 900 requests / 180 s = 5 q/s -> 3
+    b = make_autoscaler("throughput-planner", {"trend": 1, "adjustment_interval_s": 30},
+                        capacity={"m": 2.0})
+    assert b.desired(st(30.0, 60)) == {"m": 1}       # 2 q/s
+    assert b.desired(st(60.0, 120)) == {"m": 3}      # 4 q/s rising by 2: forecast 6
+    assert b.desired(st(90.0, 120, starting=2)) == {}  # a scale-up in flight: no decision
+    with pytest.raises(ValueError, match="needs each model's capacity"):
+        make_autoscaler("throughput-planner")

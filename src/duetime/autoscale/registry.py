@@ -14,10 +14,11 @@ from typing import Any
 from duetime.autoscale.queue_threshold import QueueThreshold
 from duetime.autoscale.saturation import LlmdSaturation
 from duetime.autoscale.status import Autoscaler
+from duetime.autoscale.throughput import ThroughputPlanner
 from duetime.autoscale.timetable import Static
 from duetime.policy.registry import PolicyError
 
-_CLASSES = (Static, QueueThreshold, LlmdSaturation)
+_CLASSES = (Static, QueueThreshold, LlmdSaturation, ThroughputPlanner)
 _REGISTRY: dict[str, Any] = {cls.name: cls for cls in _CLASSES}
 
 
@@ -26,9 +27,11 @@ def autoscaler_names() -> tuple[str, ...]:
 
 
 def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
-                    where: str = "autoscaler") -> Autoscaler:
+                    where: str = "autoscaler", *,
+                    capacity: Mapping[str, float] | None = None) -> Autoscaler:
     """An autoscaler by name, its ``params`` (by public name) checked against its
-    declarations; :class:`~duetime.policy.registry.PolicyError` naming what is wrong."""
+    declarations; :class:`~duetime.policy.registry.PolicyError` naming what is wrong.
+    ``capacity``: one replica's requests/s at the SLO per model, for those that need it."""
     cls = _REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown autoscaler {name!r}; one of {', '.join(_REGISTRY)}")
@@ -40,6 +43,11 @@ def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
             raise PolicyError(f"{where}.{key}: autoscaler {name!r} has no parameter {key!r} "
                               f"(its parameters: {', '.join(by_name) or 'none'})")
         kwargs[p.arg] = p.parse(value, f"{where}.{key}")
+    if getattr(cls, "needs_capacity", False):
+        if not capacity:
+            raise PolicyError(f"{where}: autoscaler {name!r} needs each model's capacity (one "
+                              "replica's requests/s at the SLO, from a profile sweep)")
+        kwargs["capacity"] = dict(capacity)
     return cls(**kwargs)
 
 
