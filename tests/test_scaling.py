@@ -300,3 +300,36 @@ def test_the_throughput_planner_sizes_each_model_from_its_forecast_rate():
     assert b.desired(st(90.0, 120, starting=2)) == {}  # a scale-up in flight: no decision
     with pytest.raises(ValueError, match="needs each model's capacity"):
         make_autoscaler("throughput-planner")
+
+
+def test_duetime_s_autoscaler_sizes_ahead_and_adds_on_a_late_forecast():
+    from duetime.autoscale import PoolStatus, make_autoscaler
+
+    def st(t, routed, ready=1, starting=0, ratio=None, delay=60.0):
+        return PoolStatus(t, 15.0, {"m": ready}, {"m": starting}, {}, {"m": routed}, {}, {},
+                          {}, ("m",), {} if ratio is None else {"m": ratio}, delay)
+
+    a = make_autoscaler("duetime", {"utilization": 1.0}, capacity={"m": 2.0})
+    assert a.desired(st(15.0, 30)) == {"m": 1}            # 2 q/s: one replica
+    got = a.desired(st(30.0, 60, ratio=0.5))              # 4 q/s, rising 2 q/s in 15 s
+    assert got["m"] > 2                                   # sized for when a new one serves
+    b = make_autoscaler("duetime", capacity={"m": 100.0})
+    assert b.desired(st(15.0, 15, ready=2, ratio=1.3)) == {"m": 3}   # late: one more
+    assert b.desired(st(30.0, 15, ready=2, starting=1, ratio=1.3)) == {"m": 3}  # (one coming)
+    c = make_autoscaler("duetime", {"hold_s": 60}, capacity={"m": 10.0})
+    assert c.desired(st(15.0, 15, ready=3)) == {"m": 3}    # low demand: hold ...
+    assert c.desired(st(60.0, 15, ready=3)) == {"m": 3}
+    assert c.desired(st(80.0, 15, ready=3)) == {"m": 2}    # ... 60 s, then one at a time
+
+
+def test_a_replica_s_capacity_is_measured_on_the_requests_the_router_sends_it():
+    from duetime.experiments.capacity import on_time_alone, replica_capacity, routed
+
+    cap = replica_capacity(PAPER, "sfs", requests=800, steps=6)
+    assert cap == replica_capacity(PAPER, "sfs", requests=800, steps=6)  # deterministic
+    mine = routed(PAPER, "sfs", 6.0, 800)
+    assert set(cap) == set(mine) and all(c > 0 for c in cap.values())
+    for m, c in cap.items():
+        if c > 0.05:
+            assert on_time_alone(PAPER, m, mine[m], c, 800) >= 0.95
+            assert on_time_alone(PAPER, m, mine[m], 2 * c, 800) < 0.95

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from duetime.autoscale.forecast import ForecastAutoscaler
 from duetime.autoscale.queue_threshold import QueueThreshold
 from duetime.autoscale.saturation import LlmdSaturation
 from duetime.autoscale.status import Autoscaler
@@ -18,7 +19,7 @@ from duetime.autoscale.throughput import ThroughputPlanner
 from duetime.autoscale.timetable import Static
 from duetime.policy.registry import PolicyError
 
-_CLASSES = (Static, QueueThreshold, LlmdSaturation, ThroughputPlanner)
+_CLASSES = (Static, QueueThreshold, LlmdSaturation, ThroughputPlanner, ForecastAutoscaler)
 _REGISTRY: dict[str, Any] = {cls.name: cls for cls in _CLASSES}
 
 

@@ -19,11 +19,12 @@ class Recent:
     finish: np.ndarray
     target: np.ndarray          # TTFT target, s
     output_tokens: np.ndarray
+    prompt: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @classmethod
     def empty(cls) -> Recent:
         z = np.zeros(0)
-        return cls(z, z, z, z, z)
+        return cls(z, z, z, z, z, z)
 
     def first_tokens_since(self, t: float) -> tuple[np.ndarray, np.ndarray]:
         """(TTFT, target) of the requests whose first token came after ``t``."""
@@ -53,6 +54,11 @@ class PoolStatus:
     running: Mapping[str, int]
     recent: Mapping[str, Recent] = field(default_factory=dict)
     models: tuple[str, ...] = ()
+    # per model: the engines' forecast of a typical request's TTFT (the recent median prompt)
+    # over its target (the recent median), at the best of the model's serving replicas: > 1
+    # means the next such request is late wherever it goes; absent without recent requests
+    forecast_ratio: Mapping[str, float] = field(default_factory=dict)
+    scale_up_delay_s: float = 0.0
 
     def provisioned(self, model: str) -> int:
         """Replicas serving or starting (what a scale-up adds to)."""

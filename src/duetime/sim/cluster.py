@@ -344,7 +344,8 @@ class ClusterSim:
             inst.submit(str(i), int(requests.prompt[i]), out, int(pred_out[i, mi]), t, hashes)
             chosen[i] = k
             if scaler is not None:
-                scaler.routed_to(models[mi], i, k, t, float(requests.target[i]), out)
+                scaler.routed_to(models[mi], i, k, t, float(requests.target[i]), out,
+                                 int(requests.prompt[i]))
             if d.forecast is not None:
                 forecast[i] = d.forecast
 

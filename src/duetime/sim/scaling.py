@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from duetime.autoscale.status import Autoscaler, PoolStatus, Recent
+from duetime.estimate.sfs import SfsEstimator
 from duetime.sim.instance import SimInstance
 
 LOOKBACK_S = 120.0  # how far back an autoscaler sees requests (at least 4 intervals)
@@ -109,7 +110,8 @@ class ScalingPool:
         self.routed: dict[str, int] = {}
         self.lookback_s = max(LOOKBACK_S, 4 * scaling.interval_s)
         # requests routed within the lookback: (request id, instance, arrival, target, output)
-        self._log: deque[tuple[int, int, float, float, int]] = deque()
+        self._log: deque[tuple[int, int, float, float, int, int]] = deque()
+        self._estimator = SfsEstimator()
         self._counter: dict[str, int] = {}
         for m in models:
             self._counter[m] = self._counter.get(m, 0) + 1
@@ -126,9 +128,9 @@ class ScalingPool:
         return [k for k, r in enumerate(self.replicas) if r.serving]
 
     def routed_to(self, model: str, request: int, instance: int, arrival: float,
-                  target: float, output: int) -> None:
+                  target: float, output: int, prompt: int) -> None:
         self.routed[model] = self.routed.get(model, 0) + 1
-        self._log.append((request, instance, arrival, target, output))
+        self._log.append((request, instance, arrival, target, output, prompt))
 
     def recent(self, t: float) -> dict[str, Recent]:
         """Per model, its requests routed within the lookback as known at ``t``."""
@@ -137,7 +139,8 @@ class ScalingPool:
             log.popleft()
         if not log:
             return {}
-        rid, inst, arrival, target, output = (np.array(c) for c in zip(*log, strict=True))
+        rid, inst, arrival, target, output, prompt = (np.array(c) for c in zip(*log,
+                                                                                strict=True))
         first = np.full(len(rid), np.nan)
         fin = np.full(len(rid), np.nan)
         for k in np.unique(inst).tolist():
@@ -151,7 +154,7 @@ class ScalingPool:
         for m in np.unique(model).tolist():
             sel = model == m
             out[m] = Recent(arrival[sel], first[sel], fin[sel], target[sel],
-                            output[sel].astype(float))
+                            output[sel].astype(float), prompt[sel].astype(float))
         return out
 
     def until(self, t: float, step_to: Callable[[float], None]) -> bool:
@@ -188,9 +191,26 @@ class ScalingPool:
                 ready[r.model] = ready.get(r.model, 0) + 1
                 waiting[r.model] = waiting.get(r.model, 0) + inst.num_waiting
                 running[r.model] = running.get(r.model, 0) + inst.num_running
+        recent = self.recent(t)
         return PoolStatus(t, self.scaling.interval_s, ready, starting, draining,
-                          dict(self.routed), waiting, running, self.recent(t),
-                          tuple(dict.fromkeys(self.models)))
+                          dict(self.routed), waiting, running, recent,
+                          tuple(dict.fromkeys(self.models)), self.forecast_ratio(t, recent),
+                          self.scaling.scale_up_delay_s)
+
+    def forecast_ratio(self, t: float, recent: dict[str, Recent]) -> dict[str, float]:
+        """Per model with recent requests: the least forecast TTFT of a typical one (the
+        median prompt) over its serving replicas, over the median target."""
+        out = {}
+        for m, r in recent.items():
+            serving = [k for k, rep in enumerate(self.replicas) if rep.serving and rep.model == m]
+            if not serving or not r.target.size:
+                continue
+            prompt = int(np.median(r.prompt)) if r.prompt.size else 1
+            for k in serving:
+                self.insts[k].now = t
+            best = min(self._estimator.ttft(self.insts[k], prompt, t) for k in serving)
+            out[m] = best / float(np.median(r.target))
+        return out
 
     def tick(self, t: float) -> bool:
         """Ask the autoscaler at ``t`` (the instances stepped to it) and carry out what it

@@ -1,0 +1,94 @@
+"""``duetime``: duetime's own autoscaler — it sizes each model for the traffic the router will
+send it by the time a new replica would serve, and adds a replica as soon as the engines
+forecast that a typical request would be late, before the on-time rate falls.
+
+Per model, every tick:
+
+- the rate the router sends it, per tick, smoothed over the last ``window`` ticks, with its
+  trend (least squares over the window) extrapolated to the tick after a new replica would
+  serve (``scale_up_delay_s`` + the interval): the demand the replicas asked for now must meet;
+- replicas = ceil(demand / (one replica's rate at the SLO x ``utilization``)); one replica's
+  rate at the SLO (``capacity``) comes from a profile sweep, as the throughput planner's;
+- the engines' forecast (``PoolStatus.forecast_ratio``: a typical request's forecast TTFT at
+  the best serving replica over its target): above ``late`` (1.0), one replica more (unless
+  one is starting) — whatever the rate says, the next requests would be late;
+- down only after the demand has stayed below the smaller count for ``hold_s``, one replica
+  per tick (a replica costs ``scale_up_delay_s`` to bring back).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from duetime.autoscale.status import PoolStatus
+from duetime.policy.registry import Param, PolicyError
+
+UTILIZATION = Param("utilization", "utilization", float, 0.85,
+                    "the share of a replica's rate at the SLO it is sized for", min=0.0,
+                    min_open=True)
+WINDOW = Param("window", "window", int, 4, "ticks the rate and its trend are read over", min=1)
+LATE = Param("late", "late", float, 1.0, "forecast TTFT / target above which a replica is "
+             "added at once", min=0.0, min_open=True)
+HOLD = Param("hold_s", "hold_s", float, 120.0, "seconds the demand must stay low before a "
+             "replica is let go", min=0.0)
+
+
+@dataclass(slots=True)
+class ForecastAutoscaler:
+    capacity: Mapping[str, float] = field(default_factory=dict)
+    utilization: float = UTILIZATION.default
+    window: int = WINDOW.default
+    late: float = LATE.default
+    hold_s: float = HOLD.default
+    _rates: dict[str, deque] = field(default_factory=dict)
+    _low_since: dict[str, float] = field(default_factory=dict)
+
+    name: ClassVar[str] = "duetime"
+    summary: ClassVar[str] = ("duetime's: each model sized for the rate the router will send "
+                              "it when a new replica serves; a replica more as soon as the "
+                              "engines forecast a typical request late")
+    params: ClassVar[tuple[Param, ...]] = (UTILIZATION, WINDOW, LATE, HOLD)
+    needs_capacity: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        bad = {m: c for m, c in self.capacity.items() if not c > 0}
+        if bad:
+            raise PolicyError(f"duetime autoscaler: capacity must be > 0 requests/s, got {bad}")
+
+    def demand(self, status: PoolStatus, model: str) -> float:
+        """The rate (requests/s) the model will get when a replica asked for now serves."""
+        rates = self._rates.setdefault(model, deque(maxlen=self.window))
+        rates.append(status.routed.get(model, 0) / status.interval_s)
+        now = float(np.mean(rates))
+        if len(rates) < 2:
+            return now
+        x = np.arange(len(rates), dtype=float) * status.interval_s
+        slope = float(np.polyfit(x, np.asarray(rates), 1)[0])
+        ahead = status.scale_up_delay_s + x[-1] / 2  # from the window's middle
+        return max(now, now + slope * ahead) if slope > 0 else now
+
+    def desired(self, status: PoolStatus) -> Mapping[str, int]:
+        out = {}
+        for m in status.models:
+            cap = self.capacity.get(m)
+            demand = self.demand(status, m)
+            if cap is None:
+                continue
+            have = status.provisioned(m)
+            want = max(1, math.ceil(demand / (cap * self.utilization) - 1e-9))
+            ratio = status.forecast_ratio.get(m)
+            if ratio is not None and ratio > self.late and not status.starting.get(m, 0):
+                want = max(want, have + 1)  # (one at a time: the next waits for it to serve)
+            if want >= have:
+                self._low_since.pop(m, None)
+                out[m] = want
+                continue
+            since = self._low_since.setdefault(m, status.t)
+            out[m] = have - 1 if status.t - since >= self.hold_s else have
+        return out
