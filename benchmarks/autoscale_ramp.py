@@ -3,7 +3,9 @@
 for 900 s, routed by ``sfs`` over a pool that starts at one replica per model; a tick every
 15 s, 60 s scale-up delay, up to 12 replicas a model. Prints each autoscaler's on-time rate,
 instance-hours, scale events and most replicas, and a static pool of six (4 x 8B) for
-reference. Capacities for the rate-based ones from ``duetime.experiments.capacity``.
+reference. Capacities for the rate-based ones, and the planner's table (``duetime plan`` at
+rates 10% apart, fewest GPUs, quality >= 0.8) for duetime's second variant, from
+``duetime.experiments.capacity``.
 
     python benchmarks/autoscale_ramp.py
 """
@@ -13,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from duetime.autoscale import make_autoscaler
-from duetime.experiments.capacity import replica_capacity
+from duetime.experiments.capacity import planner_table, replica_capacity
+from duetime.experiments.fanout import Fanout
 from duetime.policy import make_policy
 from duetime.sim import ClusterSim, Scaling
 from duetime.workload import load_workload, sample_requests
@@ -40,9 +43,12 @@ def main() -> None:
           + ", ".join(f"{m} {c:.2f}" for m, c in cap.items()) + "\n")
     print("| autoscaler | on time | instance-hours | scale events | most replicas |")
     print("|---|---|---|---|---|")
-    for name in ("queue-threshold", "llm-d-saturation", "throughput-planner", "duetime"):
-        auto = make_autoscaler(name, capacity=cap if name in ("duetime", "throughput-planner")
-                               else None)
+    table = planner_table([round(1.1 ** k, 3) for k in range(33)], fanout=Fanout.local())
+    rows = [(n, make_autoscaler(n, capacity=cap if n in ("duetime", "throughput-planner")
+                                else None))
+            for n in ("queue-threshold", "llm-d-saturation", "throughput-planner", "duetime")]
+    rows.append(("duetime, planner's table", make_autoscaler("duetime", table=table)))
+    for name, auto in rows:
         res = run(Scaling(auto, interval_s=15.0, scale_up_delay_s=60.0, max_replicas=12))
         rec = res.scaling
         print(f"| {name} | {(res.ttft <= reqs.target).mean():.3f} | "

@@ -333,3 +333,23 @@ def test_a_replica_s_capacity_is_measured_on_the_requests_the_router_sends_it():
         if c > 0.05:
             assert on_time_alone(PAPER, m, mine[m], c, 800) >= 0.95
             assert on_time_alone(PAPER, m, mine[m], 2 * c, 800) < 0.95
+
+
+def test_duetime_s_autoscaler_follows_the_planner_s_table():
+    from duetime.autoscale import PoolStatus, make_autoscaler
+
+    table = [(4.0, {"a": 1, "b": 1}), (8.0, {"a": 2, "b": 1}), (16.0, {"a": 3, "b": 2})]
+
+    def st(t, a, b):
+        return PoolStatus(t, 10.0, {"a": 1, "b": 1}, {}, {}, {"a": a, "b": b}, {}, {}, {},
+                          ("a", "b"))
+
+    def fresh():
+        return make_autoscaler("duetime", {"utilization": 1.0, "window": 1}, table=table)
+
+    assert fresh().desired(st(10.0, 30, 20)) == {"a": 2, "b": 1}    # 5 q/s: the 8 q/s row
+    assert fresh().desired(st(10.0, 60, 30)) == {"a": 3, "b": 2}    # 9 q/s: the 16 q/s row
+    assert fresh().desired(st(10.0, 300, 30)) == {"a": 3, "b": 2}   # beyond: the last row
+    assert fresh().desired(st(10.0, 20, 10)) == {"a": 1, "b": 1}    # 3 q/s: the first
+    with pytest.raises(ValueError, match="rise"):
+        make_autoscaler("duetime", table=table[::-1])

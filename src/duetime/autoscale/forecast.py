@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -42,6 +42,10 @@ HOLD = Param("hold_s", "hold_s", float, 120.0, "seconds the demand must stay low
 @dataclass(slots=True)
 class ForecastAutoscaler:
     capacity: Mapping[str, float] = field(default_factory=dict)
+    # the planner's table (``duetime plan`` at rate levels, the router in the loop): (total
+    # rate, replicas per model) rising; where given, the pool is the table's row for the
+    # forecast total rate instead of model-by-model capacities
+    table: Sequence[tuple[float, Mapping[str, int]]] = ()
     utilization: float = UTILIZATION.default
     window: int = WINDOW.default
     late: float = LATE.default
@@ -60,6 +64,9 @@ class ForecastAutoscaler:
         bad = {m: c for m, c in self.capacity.items() if not c > 0}
         if bad:
             raise PolicyError(f"duetime autoscaler: capacity must be > 0 requests/s, got {bad}")
+        rates = [r for r, _ in self.table]
+        if rates != sorted(rates):
+            raise PolicyError("duetime autoscaler: the table's rates must rise")
 
     def demand(self, status: PoolStatus, model: str) -> float:
         """The rate (requests/s) the model will get when a replica asked for now serves."""
@@ -73,15 +80,29 @@ class ForecastAutoscaler:
         ahead = status.scale_up_delay_s + x[-1] / 2  # from the window's middle
         return max(now, now + slope * ahead) if slope > 0 else now
 
+    def planned(self, status: PoolStatus) -> Mapping[str, int] | None:
+        """The table's pool for the forecast total rate (None without a table)."""
+        if not self.table:
+            return None
+        total = sum(self.demand(status, m) for m in status.models) / self.utilization
+        for rate, pool in self.table:
+            if rate >= total:
+                return pool
+        return self.table[-1][1]
+
     def desired(self, status: PoolStatus) -> Mapping[str, int]:
         out = {}
+        plan = self.planned(status)
         for m in status.models:
-            cap = self.capacity.get(m)
-            demand = self.demand(status, m)
-            if cap is None:
-                continue
+            if plan is not None:
+                want = max(1, int(plan.get(m, 0)))
+            else:
+                cap = self.capacity.get(m)
+                demand = self.demand(status, m)
+                if cap is None:
+                    continue
+                want = max(1, math.ceil(demand / (cap * self.utilization) - 1e-9))
             have = status.provisioned(m)
-            want = max(1, math.ceil(demand / (cap * self.utilization) - 1e-9))
             ratio = status.forecast_ratio.get(m)
             if ratio is not None and ratio > self.late and not status.starting.get(m, 0):
                 want = max(want, have + 1)  # (one at a time: the next waits for it to serve)

@@ -8,7 +8,7 @@ module of this package and add it to :data:`_CLASSES`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from duetime.autoscale.forecast import ForecastAutoscaler
@@ -29,10 +29,12 @@ def autoscaler_names() -> tuple[str, ...]:
 
 def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
                     where: str = "autoscaler", *,
-                    capacity: Mapping[str, float] | None = None) -> Autoscaler:
+                    capacity: Mapping[str, float] | None = None,
+                    table: Sequence[tuple[float, Mapping[str, int]]] = ()) -> Autoscaler:
     """An autoscaler by name, its ``params`` (by public name) checked against its
     declarations; :class:`~duetime.policy.registry.PolicyError` naming what is wrong.
-    ``capacity``: one replica's requests/s at the SLO per model, for those that need it."""
+    ``capacity``: one replica's requests/s at the SLO per model, for those that need it;
+    ``table``: the planner's pools at rate levels, for those that take it."""
     cls = _REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown autoscaler {name!r}; one of {', '.join(_REGISTRY)}")
@@ -44,11 +46,14 @@ def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
             raise PolicyError(f"{where}.{key}: autoscaler {name!r} has no parameter {key!r} "
                               f"(its parameters: {', '.join(by_name) or 'none'})")
         kwargs[p.arg] = p.parse(value, f"{where}.{key}")
+    takes_table = "table" in getattr(cls, "__dataclass_fields__", {})
+    if table and takes_table:
+        kwargs["table"] = tuple(table)
     if getattr(cls, "needs_capacity", False):
-        if not capacity:
+        if not capacity and not (table and takes_table):
             raise PolicyError(f"{where}: autoscaler {name!r} needs each model's capacity (one "
                               "replica's requests/s at the SLO, from a profile sweep)")
-        kwargs["capacity"] = dict(capacity)
+        kwargs["capacity"] = dict(capacity or {})
     return cls(**kwargs)
 
 

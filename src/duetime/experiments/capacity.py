@@ -9,11 +9,16 @@ seed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from duetime.experiments.fanout import Fanout
 from duetime.policy import make_policy
 from duetime.sim import ClusterSim
 from duetime.workload import RequestSet, WorkloadProfile, make_arrivals, sample_requests
+
+MEASURED = ["qwen3-0.6b@h100", "qwen3-8b@h100", "qwen3-32b@h100x2"]  # the paper's pool's
 
 
 def _stream(profile: WorkloadProfile, rate: float, n: int, seed: int):
@@ -70,3 +75,24 @@ def replica_capacity(profile: WorkloadProfile, router: str = "sfs", *, rate: flo
                 hi = mid
         out[m] = lo
     return out
+
+
+def planner_table(rates: Sequence[float], *, on_time: float = 0.95, quality: float | None = 0.8,
+                  requests: int = 1000, max_replicas: int = 12, router: str = "sfs",
+                  seed: int = 0, fanout: Fanout | None = None
+                  ) -> list[tuple[float, dict[str, int]]]:
+    """The planner's table for a scaling pool of the paper's measured deployments: at each
+    rate, the pool ``duetime plan`` finds (fewest GPUs, then cost; every class ``on_time``,
+    mean quality ``quality``; ``router`` in the loop), as replicas per model; rates with no
+    such pool are left out."""
+    from duetime.plan.problem import problem_from_dict
+    from duetime.plan.schedule import search_level
+
+    base = problem_from_dict({
+        "rate": max(rates), "options": MEASURED, "max_replicas": max_replicas,
+        "requests": requests, "max_requests": 4 * requests, "seed": seed,
+        "router": router, "objective": "gpus",
+        "constraints": {"on_time": on_time, "quality": quality}})
+    found = (fanout or Fanout()).map(search_level, [(base, r) for r in rates])
+    return [(r, {o.model: n for o, n in got.best.pool})
+            for r, got in zip(rates, found, strict=True) if got.best is not None]
