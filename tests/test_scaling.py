@@ -109,6 +109,8 @@ def test_replica_bounds_and_what_cannot_scale():
     assert counts == {"qwen3-0.6b": 1, "qwen3-8b": 4, "qwen3-32b": 1}
     with pytest.raises(ValueError, match="min_replicas"):
         Scaling(Static(), min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="no scale to zero"):
+        Scaling(Static(), min_replicas=0)
     with pytest.raises(ValueError, match="interval_s"):
         Scaling(Static(), interval_s=0)
     pol = make_policy("sfs", defaults={"lambda": PAPER.lam, "seed": 0, "delta": 1e-6})

@@ -49,9 +49,10 @@ class Scaling:
             raise ValueError(f"interval_s must be > 0, got {self.interval_s!r}")
         if not self.scale_up_delay_s >= 0:
             raise ValueError(f"scale_up_delay_s must be >= 0, got {self.scale_up_delay_s!r}")
-        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise ValueError(f"want 0 <= min_replicas <= max_replicas (>= 1), got "
-                             f"{self.min_replicas}, {self.max_replicas}")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"want 1 <= min_replicas <= max_replicas (no scale to zero: a "
+                             f"model keeps a replica), got {self.min_replicas}, "
+                             f"{self.max_replicas}")
 
 
 @dataclass(slots=True)
