@@ -27,7 +27,9 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
     rows = list(csv.DictReader((out / "results.csv").open()))
     required = {"ttca": {"router", "context_tokens", "language", "mean_ttca_s", "success"},
                 "plan": {"variant", "rate", "method", "pool", "cost_per_hour", "gpus",
-                         "worst_on_time", "quality"}}.get(name, REQUIRED)
+                         "worst_on_time", "quality"},
+                "autoscale": {"trace", "autoscaler", "router", "on_time", "quality",
+                              "gpu_hours", "scale_events"}}.get(name, REQUIRED)
     assert rows and set(rows[0]) >= required
     summary = json.loads((out / "summary.json").read_text())
     assert summary["experiment"] == name and summary["quick"] is True
@@ -60,6 +62,17 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         assert set(summary["table"]["sfs"]["4"]) >= {"independent", "shared 0.1 s"}
     if name == "plan":
         _check_plan(rows, summary)
+    if name == "autoscale":
+        assert {(r["trace"], r["router"], r["autoscaler"]) for r in rows} == {
+            (t, r, a) for t in ("diurnal", "bursty") for r in ("sfs", "load-aware")
+            for a in ("static", "queue-threshold", "llm-d-saturation", "throughput-planner",
+                      "duetime")}
+        for key in ("duetime_gpu_hours_vs_static", "duetime_gpu_hours_vs_best_baseline",
+                    "bursty_duetime_gpu_hours_vs_static"):
+            assert _finite(summary[key]) and summary[key] > 0
+        static = [r for r in rows if r["autoscaler"] == "static"]
+        assert all(r["scale_events"] == "0" for r in static)
+        assert set(summary["attainment"]) >= {"sfs/duetime", "load-aware/static"}
     if name == "scale":
         sizes = {"3", "30", "90"}
         for load in ("0.7", "0.9"):

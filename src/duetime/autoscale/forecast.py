@@ -84,7 +84,7 @@ class ForecastAutoscaler:
         """The table's pool for the forecast total rate (None without a table)."""
         if not self.table:
             return None
-        total = sum(self.demand(status, m) for m in status.models) / self.utilization
+        total = sum(self.demand(status, m) for m in status.models)  # (the rows meet the SLO)
         for rate, pool in self.table:
             if rate >= total:
                 return pool

@@ -625,10 +625,18 @@ def plan(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome
     return Outcome(*run_plan(out, quick, seed, log, fanout))
 
 
+def autoscale(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    """Autoscalers on a pool that scales while it runs (:mod:`duetime.experiments.autoscale`)."""
+    from duetime.experiments.autoscale import run_autoscale
+
+    return Outcome(*run_autoscale(out, quick, seed, log, fanout))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
-    "prefix": prefix, "scale": scale, "replicas": replicas, "plan": plan}
+    "prefix": prefix, "scale": scale, "replicas": replicas, "plan": plan,
+    "autoscale": autoscale}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,
