@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -75,7 +75,3 @@ class Autoscaler(Protocol):
     name: ClassVar[str]
 
     def desired(self, status: PoolStatus) -> Mapping[str, int]: ...
-
-
-def clamp_int(x: Any, lo: int, hi: int) -> int:
-    return int(min(max(int(x), lo), hi))
