@@ -80,4 +80,4 @@ class Hpa:
             if s > t:
                 break
             got = n
-        return got if any(s <= t for s, _ in self._counts) else default
+        return got
