@@ -362,10 +362,6 @@ class ClusterSim:
                        if batching else None)
 
             def step_to(t: float) -> None:
-                nonlocal busy_until
-                if len(busy_until) < len(insts):  # replicas added since (idle)
-                    busy_until = np.append(busy_until, np.full(len(insts) - len(busy_until),
-                                                               np.inf))
                 due = _due(busy_until, t)
                 if stepper is not None and due.shape[0]:
                     due = stepper.advance(due, t, busy_until)
@@ -377,15 +373,18 @@ class ClusterSim:
                 t = float(requests.arrival[i])
                 if scaler is not None and scaler.next_event <= t:
                     grew = len(insts)
-                    if scaler.until(t, step_to) or len(insts) > grew:
-                        if on_board and len(insts) > grew:
+                    changed = scaler.until(t, step_to)  # (may add instances: idle ones)
+                    if len(insts) > grew:
+                        busy_until = np.append(busy_until, np.full(len(insts) - grew, np.inf))
+                        if on_board:
                             _board(insts)
+                    if changed or len(insts) > grew:
                         inst_model = [models.index(m) for m in scaler.models]
                         cand_index = scaler.serving()
                         cands = Candidates(cands_all(cand_index))
                         cand_model = np.array([inst_model[k] for k in cand_index])
-                if not lazy or len(busy_until) < len(insts):
-                    step_to(t if not lazy else -math.inf)  # (lazy: only grown)
+                if not lazy:
+                    step_to(t)
                 dispatch(i, t)
                 k = int(chosen[i])
                 busy_until[k] = insts[k].busy_until()
