@@ -66,10 +66,12 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         assert {(r["trace"], r["router"], r["autoscaler"]) for r in rows} == {
             (t, r, a) for t in ("diurnal", "bursty") for r in ("sfs", "load-aware")
             for a in ("static", "queue-threshold", "llm-d-saturation", "throughput-planner",
-                      "duetime")}
+                      "duetime")} | {("diurnal", "sfs", "oracle")}
         for key in ("duetime_gpu_hours_vs_static", "duetime_gpu_hours_vs_best_baseline",
-                    "bursty_duetime_gpu_hours_vs_static"):
+                    "bursty_duetime_gpu_hours_vs_static", "oracle_gpu_hours_vs_static"):
             assert _finite(summary[key]) and summary[key] > 0
+        # foresight of the rate saves GPU-hours against the static peak pool
+        assert summary["oracle_gpu_hours_vs_static"] < 1
         static = [r for r in rows if r["autoscaler"] == "static"]
         assert all(r["scale_events"] == "0" for r in static)
         assert set(summary["attainment"]) >= {"sfs/duetime", "load-aware/static"}

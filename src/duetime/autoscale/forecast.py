@@ -14,6 +14,10 @@ Per model, every tick:
   one is starting) — whatever the rate says, the next requests would be late;
 - down only after the demand has stayed below the smaller count for ``hold_s``, one replica
   per tick (a replica costs ``scale_up_delay_s`` to bring back).
+
+A model with neither a capacity nor a table gets only the forecasts' rule: a replica more
+when a typical request would be late, never fewer (without a capacity nothing says how many
+replicas the rate needs).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class ForecastAutoscaler:
                               "it when a new replica serves; a replica more as soon as the "
                               "engines forecast a typical request late")
     params: ClassVar[tuple[Param, ...]] = (UTILIZATION, WINDOW, LATE, HOLD)
-    needs_capacity: ClassVar[bool] = True
+    needs_capacity: ClassVar[bool] = False  # (without one: the forecasts' rule alone)
 
     def __post_init__(self) -> None:
         bad = {m: c for m, c in self.capacity.items() if not c > 0}
@@ -94,15 +98,15 @@ class ForecastAutoscaler:
         out = {}
         plan = self.planned(status)
         for m in status.models:
+            have = status.provisioned(m)
+            cap = self.capacity.get(m)
             if plan is not None:
                 want = max(1, int(plan.get(m, 0)))
-            else:
-                cap = self.capacity.get(m)
+            elif cap is not None:
                 demand = self.demand(status, m)
-                if cap is None:
-                    continue
                 want = max(1, math.ceil(demand / (cap * self.utilization) - 1e-9))
-            have = status.provisioned(m)
+            else:  # (no capacity known: only the forecasts' rule; never fewer)
+                want = max(1, have)
             ratio = status.forecast_ratio.get(m)
             if ratio is not None and ratio > self.late and not status.starting.get(m, 0):
                 want = max(want, have + 1)  # (one at a time: the next waits for it to serve)

@@ -34,7 +34,8 @@ def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
     """An autoscaler by name, its ``params`` (by public name) checked against its
     declarations; :class:`~duetime.policy.registry.PolicyError` naming what is wrong.
     ``capacity``: one replica's requests/s at the SLO per model, for those that need it;
-    ``table``: the planner's pools at rate levels, for those that take it."""
+    ``table``: the planner's pools at rate levels, for those that take it (both are left
+    out for those that do not)."""
     cls = _REGISTRY.get(name)
     if cls is None:
         raise PolicyError(f"unknown autoscaler {name!r}; one of {', '.join(_REGISTRY)}")
@@ -46,14 +47,14 @@ def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
             raise PolicyError(f"{where}.{key}: autoscaler {name!r} has no parameter {key!r} "
                               f"(its parameters: {', '.join(by_name) or 'none'})")
         kwargs[p.arg] = p.parse(value, f"{where}.{key}")
-    takes_table = "table" in getattr(cls, "__dataclass_fields__", {})
-    if table and takes_table:
+    fields = getattr(cls, "__dataclass_fields__", {})
+    if table and "table" in fields:
         kwargs["table"] = tuple(table)
-    if getattr(cls, "needs_capacity", False):
-        if not capacity and not (table and takes_table):
-            raise PolicyError(f"{where}: autoscaler {name!r} needs each model's capacity (one "
-                              "replica's requests/s at the SLO, from a profile sweep)")
-        kwargs["capacity"] = dict(capacity or {})
+    if getattr(cls, "needs_capacity", False) and not capacity:
+        raise PolicyError(f"{where}: autoscaler {name!r} needs each model's capacity (one "
+                          "replica's requests/s at the SLO, from a profile sweep)")
+    if capacity and "capacity" in fields:
+        kwargs["capacity"] = dict(capacity)
     return cls(**kwargs)
 
 

@@ -8,6 +8,12 @@ day); the rate-based autoscalers get one replica's rate at the SLO per model
 (:func:`~duetime.experiments.capacity.replica_capacity`), duetime's the planner's table
 (:func:`~duetime.experiments.capacity.planner_table`). Every pool starts as the planner's pool
 for the first interval's rate. GPU-hours count 2 GPUs for a 32B replica (its profile's TP 2).
+
+On the diurnal trace a reference run, ``oracle``, bounds what following the planner's table
+can save: a timetable that knows the day's rate, asking at each tick for the table's pool at
+the highest rate until a replica asked for then would serve (so it is never late to scale),
+with the same delay and pool limits. No autoscaler that sizes from the table can use fewer
+GPU-hours without holding a pool smaller than the planner's for the rate it meets.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from duetime.autoscale import make_autoscaler
+from duetime.autoscale.timetable import Scripted
 from duetime.experiments import report as rp
 from duetime.experiments.capacity import planner_table, replica_capacity
 from duetime.experiments.fanout import Fanout
@@ -39,9 +46,15 @@ FLOOR = 0.95
 QUALITY_SLACK = 0.01  # a baseline counts as equal in quality within this of duetime's
 
 
+def diurnal_rate(t: np.ndarray | float, duration_s: float) -> np.ndarray:
+    """The diurnal trace's rate (q/s) at ``t``: a cosine day, trough at the start, peak
+    half-way."""
+    return TROUGH + (PEAK - TROUGH) * (1 - np.cos(2 * math.pi * np.asarray(t) / duration_s)) / 2
+
+
 def arrivals(trace: str, duration_s: float, seed: int) -> np.ndarray:
-    """``diurnal``: a cosine day (trough at the start, peak half-way) compressed into
-    ``duration_s``, Poisson within; ``bursty``: MMPP-2 around ``BURST_MEAN``."""
+    """``diurnal``: :func:`diurnal_rate` over ``duration_s``, Poisson within; ``bursty``:
+    MMPP-2 around ``BURST_MEAN``."""
     rng = np.random.default_rng([seed, 7])
     if trace == "bursty":
         n = int(BURST_MEAN * duration_s)
@@ -49,8 +62,17 @@ def arrivals(trace: str, duration_s: float, seed: int) -> np.ndarray:
     # thinning: a Poisson stream at the peak rate, each arrival kept with rate(t) / peak
     t = np.cumsum(rng.exponential(1 / PEAK, int(PEAK * duration_s * 1.1)))
     t = t[t < duration_s]
-    rate = TROUGH + (PEAK - TROUGH) * (1 - np.cos(2 * math.pi * t / duration_s)) / 2
-    return t[rng.random(t.size) < rate / PEAK]
+    return t[rng.random(t.size) < diurnal_rate(t, duration_s) / PEAK]
+
+
+def oracle(table: list[tuple[float, dict[str, int]]], duration_s: float) -> Scripted:
+    """The perfect-foresight timetable for the diurnal trace: at each tick, the table's pool
+    for the highest rate from now until a replica asked for now would have served a tick."""
+    steps = []
+    for t0 in np.arange(0.0, duration_s, INTERVAL_S):
+        ahead = np.linspace(t0, t0 + DELAY_S + INTERVAL_S, 32)
+        steps.append((float(t0), _pool_for(table, float(diurnal_rate(ahead, duration_s).max()))))
+    return Scripted(tuple(steps))
 
 
 def _pool_for(table: list[tuple[float, dict[str, int]]], rate: float) -> dict[str, int]:
@@ -67,9 +89,13 @@ def run_one(trace: str, autoscaler: str, router: str, duration_s: float, seed: i
     reqs = sample_requests(paper, times, rng)
     first_rate = max(1.0, float(np.sum(times < 120.0)) / 120.0)
     start = _pool_for(table, PEAK if autoscaler == "static" else first_rate)
+    if autoscaler == "oracle":
+        auto = oracle(table, duration_s)
+        start = dict(auto.steps[0][1])
+    else:
+        auto = make_autoscaler(autoscaler, capacity=capacity if autoscaler in (
+            "throughput-planner",) else None, table=table if autoscaler == "duetime" else ())
     pairs = [(f"{m}.{k}", m) for m in paper.model_names for k in range(max(1, start.get(m, 0)))]
-    auto = make_autoscaler(autoscaler, capacity=capacity if autoscaler in (
-        "throughput-planner",) else None, table=table if autoscaler == "duetime" else ())
     pol = make_policy(router, defaults={"lambda": paper.lam, "seed": seed, "delta": 1e-6})
     scaling = Scaling(auto, interval_s=INTERVAL_S, scale_up_delay_s=DELAY_S,
                       max_replicas=MAX_REPLICAS, gpus=GPUS)
@@ -103,6 +129,7 @@ def run_autoscale(out: Path, quick: bool, seed: int, log: Callable[[str], None],
     log(f"capacity {capacity}; planner's table: {len(table)} levels")
     jobs = [(trace, a, r, duration, seed, capacity, table) for trace in ("diurnal", "bursty")
             for r in ROUTERS for a in AUTOSCALERS]
+    jobs.append(("diurnal", "oracle", "sfs", duration, seed, capacity, table))
 
     def done(k: int, got: dict[str, Any]) -> None:
         r = got["row"]
@@ -136,6 +163,9 @@ def _summary(rows, duration, capacity, table) -> dict[str, Any]:
         best = (min(meeting, key=lambda b: b["gpu_hours"]) if meeting
                 else max(base, key=lambda b: b["on_time"]))
         key = "" if trace == "diurnal" else "bursty_"
+        if trace == "diurnal":
+            out["oracle_gpu_hours_vs_static"] = (
+                _pick(rows, trace, "sfs", "oracle")["gpu_hours"] / static["gpu_hours"])
         out[f"{key}duetime_gpu_hours_vs_static"] = d["gpu_hours"] / static["gpu_hours"]
         out[f"{key}duetime_gpu_hours_vs_best_baseline"] = d["gpu_hours"] / best["gpu_hours"]
         out[f"{key}best_baseline"] = best["autoscaler"]
@@ -179,6 +209,8 @@ def _sections(rows, summary) -> list[str]:
         f"ticks every {INTERVAL_S:g} s, {DELAY_S:g} s scale-up delay. duetime vs the static "
         f"peak pool: {summary['duetime_gpu_hours_vs_static']:.3f}× GPU-hours (diurnal), "
         f"vs the best baseline ({summary['best_baseline']}): "
-        f"{summary['duetime_gpu_hours_vs_best_baseline']:.3f}×.\n\n"
+        f"{summary['duetime_gpu_hours_vs_best_baseline']:.3f}×; the perfect-foresight "
+        f"timetable on the planner's table (`oracle`, the bound for sizing from the table): "
+        f"{summary['oracle_gpu_hours_vs_static']:.3f}× the static pool's.\n\n"
         "![timeline](autoscale_timeline.png)\n",
         rp.md_table(rows, cols)]
