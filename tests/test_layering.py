@@ -32,7 +32,7 @@ SIDEWAYS = {frozenset({"gateway", "emulator"})}  # same layer, never each other
 # the gateway's stages (docs/architecture.md, "The gateway as a pipeline")
 GATEWAY_LAYERS: dict[str, int] = {
     "__init__": 0, "config": 0, "keys": 0, "prometheus": 0, "upstream": 0, "changes": 0,
-    "dns": 0, "kubernetes": 0,
+    "dns": 0, "kubernetes": 0, "autoscaling": 0,
     "state": 1,
     "intake": 2,
     "routing": 3,

@@ -307,4 +307,13 @@ def test_cli_plans_a_day(tmp_path, capsys):
     assert (out / "schedule.png").stat().st_size > 1000
     assert len((out / "schedule.csv").read_text().splitlines()) == 7
     assert "static peak pool" in (out / "report.md").read_text()
+    # the pools by level, as the gateway's autoscale.table reads them
+    from duetime.gateway.config import pool_from_dict
+    levels = {float(r["planned_for"]) for r in data["intervals"]}
+    pool = pool_from_dict({
+        "instances": [{"name": m, "model": m, "profile": m, "url": "http://127.0.0.1:1"}
+                      for m in ("qwen3-0.6b", "qwen3-8b", "qwen3-32b")],
+        "autoscale": {"table": "autoscale-table.yaml"}}, str(out / "summary.json"))
+    assert [r for r, _ in pool.autoscale.table] == pytest.approx(sorted(levels), rel=1e-3)
+    assert all(sum(p.values()) >= 1 for _, p in pool.autoscale.table)
     assert main(["plan", "--diurnal", "1,3", "--out", str(out)]) == 2

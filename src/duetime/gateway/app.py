@@ -41,6 +41,7 @@ from duetime.gateway.observe.attempt_metrics import AttemptMetrics
 from duetime.gateway.observe.observatory import Observatory
 from duetime.gateway.observe.openapi import openapi_document
 from duetime.gateway.observe.pages import page_routes
+from duetime.gateway.observe.replicas import DesiredReplicas
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.relay.attempt import AttemptRunner
 from duetime.gateway.relay.handler import CompletionHandler
@@ -86,6 +87,9 @@ class Gateway:
         self.budget.size = len(self.membership)
         self.discovery = Discovery(pool, self.membership, first, self._instance, self.started)
         self.observatory = Observatory([s.name for s in self.membership])
+        self.replicas = DesiredReplicas(pool.autoscale, self.membership, self.metrics,
+                                        pool.models)
+        self._ticking: asyncio.Task[None] | None = None
         self.lifecycle = Lifecycle(self._subscribers())
         self.membership.listeners += [self._on_change, self.observatory.on_membership]
         self.intake = Intake(pool, self.membership, self.auth, self.policies)
@@ -142,7 +146,7 @@ class Gateway:
         ledger, KV-event cache view, shadow replica, TTFT correction, health)."""
         gateway_load = [self.load] if self.pool.admission.gateway_load else []
         return [*gateway_load, self.queue, KeyMetering(self.auth.limiter), self.observatory,
-                AttemptMetrics(self.metrics)]
+                self.replicas, AttemptMetrics(self.metrics)]
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -165,6 +169,7 @@ class Gateway:
             if s.events is not None:
                 s.events.start()
         await self.discovery.start()  # (groups' members join: probed before they serve)
+        self._ticking = asyncio.create_task(self.replicas.run())
 
     def drain(self) -> None:
         """The server is stopping: the dashboard's event streams end (an endless stream would
@@ -173,6 +178,11 @@ class Gateway:
 
     async def close(self) -> None:
         self.drain()
+        if self._ticking is not None:
+            self._ticking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticking
+            self._ticking = None
         await self.discovery.close()
         await self.pollers.stop()
         await self.shared.close()

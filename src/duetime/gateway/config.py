@@ -19,6 +19,7 @@ from duetime.engine.config import SchedulerConfig
 from duetime.engine.frontend import FrontendModel
 from duetime.engine.profiles import load_profile, profile_names
 from duetime.engine.spec import InstanceSpec, resolve_spec
+from duetime.gateway.autoscaling import AutoscaleConfig, AutoscaleSpec, resolve_autoscale
 from duetime.gateway.keys import AuthConfig, AuthSpec, resolve_auth
 from duetime.policy.registry import PolicyError, check_params, policy_names
 from duetime.web.limits import DEFAULT_LIMITS, LimitsSpec
@@ -300,7 +301,7 @@ class PoolSpec(_Strict):
     auth: AuthSpec | None = None  # API keys and admin keys (duetime.gateway.keys)
     limits: LimitsSpec = LimitsSpec()  # protocol limits (duetime.web.limits)
     discovery: DiscoverySpec = DiscoverySpec()  # membership while serving
-
+    autoscale: AutoscaleSpec = AutoscaleSpec()  # the desired-replica signal (gateway/autoscaling)
 
 
 # -- resolved -----------------------------------------------------------------------------------
@@ -377,6 +378,7 @@ class Pool:
     auth: AuthConfig | None = None  # API keys and admin keys, if configured
     limits: LimitsSpec = DEFAULT_LIMITS  # protocol limits of the gateway's server
     discovery: DiscoverySpec = field(default_factory=DiscoverySpec)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
     @property
     def models(self) -> list[str]:
@@ -498,7 +500,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                 q.default_task, spec.ttft_target, spec.state, spec.timeouts, spec.health,
                 admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
                 chat_template=chat_template, auth=auth, limits=spec.limits,
-                discovery=discovery)
+                discovery=discovery,
+                autoscale=resolve_autoscale(spec.autoscale, models, base, fail))
 
 
 def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[Instance]:

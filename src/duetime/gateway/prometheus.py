@@ -98,6 +98,10 @@ class GatewayMetrics:
         self.config_reloads = Counter(
             "duetime_config_reloads", "Pool config files read while serving: applied, or "
             "refused (the running pool kept).", ["outcome"], registry=r)
+        self.desired_replicas = Gauge(
+            "duetime_desired_replicas", "Replicas the gateway's autoscaler wants for the "
+            "model (pool config: autoscale), from the last tick; an actuator (KEDA) scales on "
+            "it.", ["model"], registry=r)
         self.members = Gauge("duetime_instances", "The pool's instances by phase (joining, "
                              "serving, draining).", ["phase"], registry=r)
 

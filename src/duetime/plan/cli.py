@@ -148,7 +148,8 @@ def _schedule(args: argparse.Namespace, problem, error: type[Exception]) -> int:
           f"the static peak pool's {data['static_gpu_hours']:.1f} GPU-hours, "
           f"{data['static_cost_usd']:.2f} USD (x{data['gpu_hours_vs_static_peak']:.3f} GPU-hours,"
           f" x{data['cost_vs_static_peak']:.3f} cost); {data['search']['levels']} rate levels "
-          f"planned; wrote {args.out}/report.md, summary.json, schedule.csv, schedule.png")
+          f"planned; wrote {args.out}/report.md, summary.json, schedule.csv, schedule.png, "
+          "autoscale-table.yaml")
     return 0 if data["unplanned_intervals"] == 0 else 1
 
 

@@ -254,9 +254,25 @@ def schedule_plot(path: Path, problem: PlanProblem, sched: ScheduleResult) -> No
     plt.close(fig)
 
 
+def write_autoscale_table(path: Path, sched: ScheduleResult) -> None:
+    """The pools by rate level as the gateway's ``autoscale.table`` reads them (replicas per
+    model, summed over its deployments): duetime's autoscaler sizes from it live."""
+    lines = ["# duetime plan's pools by rate level (requests/s): the pool config's",
+             "# autoscale.table (docs/gateway.md, \"The desired-replica signal\")"]
+    for lv, r in sorted(sched.levels.items()):
+        if r.best is None:
+            continue
+        per: dict[str, int] = {}
+        for o, n in r.best.pool:
+            per[o.model] = per.get(o.model, 0) + n
+        lines.append(f"- {{rate: {lv:.6g}, replicas: {{"
+                     + ", ".join(f"{m}: {n}" for m, n in per.items()) + "}}")
+    path.write_text("\n".join(lines) + "\n")
+
+
 def write_schedule(out: Path, problem: PlanProblem, sched: ScheduleResult) -> dict[str, Any]:
     """A schedule's outputs in ``out``: summary.json, report.md, schedule.png, schedule.csv,
-    and the static peak pool's pool YAMLs."""
+    autoscale-table.yaml, and the static peak pool's pool YAMLs."""
     out.mkdir(parents=True, exist_ok=True)
     data = schedule_summary(problem, sched)
     write_json(out / "summary.json", data)
@@ -267,6 +283,7 @@ def write_schedule(out: Path, problem: PlanProblem, sched: ScheduleResult) -> di
             f.write(f"{row['start_s']:g},{row['duration_s']:g},{row['rate']},"
                     f"{row['planned_for']},{row['cost_per_hour']},{row['gpus']},{pool}\n")
     schedule_plot(out / "schedule.png", problem, sched)
+    write_autoscale_table(out / "autoscale-table.yaml", sched)
     lines = [f"# duetime plan: {problem.workload_source}, a schedule", "",
              f"{problem.schedule_source}; router `{problem.router}`; objective "
              f"{problem.objective}; a new replica costs from {sched.delay_s:g} s before its "

@@ -66,11 +66,19 @@ def pool_from_text(text: str, source: str) -> Pool:
     return _with_embedded_caching(gateway_pool_from_text(text, source))
 
 
+# one replica's requests/s at 95% on time under sfs on the paper's workload, H100 timing:
+# duetime.experiments.capacity.replica_capacity(load_workload("paper"), "sfs", requests=1500)
+# (the `autoscale` experiment prints it); the demo pool's desired-replica signal sizes from it
+DEMO_CAPACITY = {"qwen3-0.6b": 2.09, "qwen3-8b": 1.24, "qwen3-32b": 14.45}
+
+
 def demo_pool(*, speed: float = 1.0, policy: str = "sfs", replicas: int = 1) -> Pool:
     """Three emulated instances (Qwen3 0.6B / 8B / 32B on H100 timing), the paper's prices and
-    accuracies; ``replicas`` instances of each (``qwen3-8b.0``, ...) when more than one."""
+    accuracies; ``replicas`` instances of each (``qwen3-8b.0``, ...) when more than one. Its
+    desired-replica signal: duetime's autoscaler on :data:`DEMO_CAPACITY` (x ``speed``)."""
     return pool_from_dict({
         "policy": policy,
+        "autoscale": {"capacity": {m: c * speed for m, c in DEMO_CAPACITY.items()}},
         "instances": [{"name": m, "model": m, "replicas": replicas,
                        "emulate": {"speed": speed, "seed": k * replicas}}
                       for k, m in enumerate(DEMO_MODELS)],

@@ -1,5 +1,6 @@
 """The gateway's plain routes: ``/v1/models`` and ``/v1/models/{id}``, ``/health``, ``/metrics``,
-``/duetime/instances``, ``/duetime/route`` (a dry run), ``/duetime/policies`` and the
+``/duetime/instances``, ``/duetime/route`` (a dry run), ``/duetime/policies``,
+``/duetime/replicas`` (the desired replicas per model) and the
 dashboard's ``/duetime/dashboard`` and ``/duetime/dashboard/events``
 (:mod:`~duetime.gateway.observe.dashboard`). The completion routes are raw ASGI
 (:mod:`duetime.gateway.relay.handler`)."""
@@ -95,6 +96,11 @@ def admin_routes(gw: GatewayView) -> list[Route]:
                           "params": [p.name for p in policy_class(n).params]}
                          for n in policy_names()]})
 
+    async def replicas(request: Request) -> Response:
+        """The desired replicas per model (:mod:`duetime.gateway.observe.replicas`): the
+        autoscaler, its settings and its last tick (null before the first)."""
+        return JSONResponse(gw.replicas.describe())
+
     return gw.auth.protect([
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
@@ -103,5 +109,6 @@ def admin_routes(gw: GatewayView) -> list[Route]:
         Route("/duetime/instances", instances, methods=["GET"]),
         Route("/duetime/route", dry_run, methods=["POST"]),
         Route("/duetime/policies", policies, methods=["GET"]),
+        Route("/duetime/replicas", replicas, methods=["GET"]),
         *dashboard_routes(gw),
     ])

@@ -10,6 +10,7 @@ from duetime.gateway.config import Pool
 from duetime.gateway.intake.auth import Auth
 from duetime.gateway.intake.request import Intake
 from duetime.gateway.observe.observatory import Observatory
+from duetime.gateway.observe.replicas import DesiredReplicas
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.routing.router import Router
 from duetime.gateway.state.instance import InstanceState
@@ -27,6 +28,7 @@ class GatewayView(Protocol):
     intake: Intake
     router: Router
     observatory: Observatory
+    replicas: DesiredReplicas
     draining: asyncio.Event  # set when the server stops: event streams end
 
     def describe_store(self) -> dict[str, Any]:

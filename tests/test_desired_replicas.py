@@ -1,0 +1,125 @@
+"""The gateway's live desired-replica signal (pool config ``autoscale``): the autoscaler asked
+over the gateway's live state, its answer on ``/metrics`` and ``/duetime/replicas``, and the
+config's errors. Real emulators on loopback; the ticks are called by the test (the section's
+interval is long), so no premise depends on the machine's speed."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from duetime.gateway.config import ConfigError
+from duetime.service import Service, pool_from_dict
+
+LONG = 3600.0  # the background tick's interval: the test ticks itself
+
+
+def run(coro: Any, timeout: float = 60.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def config(autoscale: dict[str, Any], n: int = 1) -> dict[str, Any]:
+    return {
+        "policy": "round-robin",
+        "quality": {"workload": None, "tasks": {"chat": {"big": 0.9}}},
+        "instances": [{"name": f"big.{k}", "model": "big", "profile": "qwen3-0.6b",
+                       "emulate": {"speed": 4.0, "seed": k},
+                       "price_usd_per_mtok": {"prompt": 0.1, "output": 0.3}}
+                      for k in range(n)],
+        "autoscale": {"interval_s": LONG, **autoscale},
+    }
+
+
+async def chat(c: httpx.AsyncClient) -> None:
+    body = {"model": "big", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+def desired_in_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("duetime_desired_replicas{"):
+            model = line.split('model="')[1].split('"')[0]
+            out[model] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_rate_the_router_sends_a_model_sizes_it_on_metrics_and_json():
+    """8 requests routed since the last tick of the hour-long interval is 8/3600 q/s; at one
+    replica's 1/3600 q/s (utilization 1) that is 8 replicas, capped at max_replicas 6. With
+    nothing routed since, the model needs one: the one it has."""
+    async def main() -> None:
+        cfg = config({"capacity": {"big": 1 / LONG}, "max_replicas": 6,
+                      "params": {"utilization": 1.0, "window": 1}})
+        svc = await Service(pool_from_dict(cfg, "test.yaml")).start()
+        gw = svc.gateway
+        assert gw is not None
+        try:
+            async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
+                before = (await c.get("/duetime/replicas")).json()
+                assert before["autoscaler"] == "duetime" and before["last"] is None
+                for _ in range(8):
+                    await chat(c)
+                assert gw.replicas.tick() == {"big": 6}
+                got = (await c.get("/duetime/replicas")).json()["last"]
+                assert got["desired"] == {"big": 6}
+                assert got["models"]["big"]["routed"] == 8 and got["models"]["big"]["ready"] == 1
+                assert got["models"]["big"]["rate_rps"] == pytest.approx(8 / LONG)
+                assert desired_in_metrics((await c.get("/metrics")).text) == {"big": 6.0}
+                assert gw.replicas.tick() == {"big": 1}
+                assert desired_in_metrics((await c.get("/metrics")).text) == {"big": 1.0}
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
+def test_without_a_capacity_a_late_forecast_asks_for_one_more():
+    """No capacity, no table: the forecasts' rule alone. With ``late`` set below any forecast
+    the engines make, the typical request is late: one replica more than the one serving; a
+    quiet model (no recent requests: no forecast) keeps what it has."""
+    async def main() -> None:
+        svc = await Service(pool_from_dict(config({"params": {"late": 1e-9}}, n=2),
+                                           "test.yaml")).start()
+        gw = svc.gateway
+        assert gw is not None
+        try:
+            assert gw.replicas.tick() == {"big": 2}          # quiet: keeps its two
+            async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
+                await chat(c)
+            assert gw.replicas.tick() == {"big": 3}
+            last = gw.replicas.last
+            assert last is not None and last["models"]["big"]["forecast_ratio"] > 0
+        finally:
+            await svc.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("autoscale, error", [
+    ({"autoscaler": "nope"}, "autoscale.autoscaler: unknown autoscaler 'nope'"),
+    ({"capacity": {"small": 1.0}}, "autoscale.capacity.small: unknown model"),
+    ({"capacity": {"big": 0}}, "autoscale.capacity.big: must be > 0"),
+    ({"params": {"x": 1}}, "autoscale.params.x: autoscaler 'duetime' has no parameter"),
+    ({"autoscaler": "throughput-planner"}, "autoscale.capacity: autoscaler "
+                                           "'throughput-planner' needs each model's capacity"),
+    ({"min_replicas": 3, "max_replicas": 2}, "min_replicas 3 > max_replicas 2"),
+    ({"table": [{"rate": 1, "replicas": {"small": 1}}]}, "autoscale.table[0]: unknown models"),
+    ({"table": "missing.yaml"}, "autoscale.table: cannot read"),
+])
+def test_autoscale_config_errors_name_the_field(autoscale, error):
+    with pytest.raises(ConfigError, match=error.replace("[", r"\[").replace("]", r"\]")):
+        pool_from_dict(config(autoscale), "test.yaml")
+
+
+def test_a_table_file_is_read_beside_the_config(tmp_path):
+    (tmp_path / "table.yaml").write_text(
+        "- {rate: 4.0, replicas: {big: 2}}\n- {rate: 1.0, replicas: {big: 1}}\n")
+    cfg = tmp_path / "pool.yaml"
+    cfg.write_text("x: 1\n")
+    pool = pool_from_dict(config({"table": "table.yaml"}), str(cfg))
+    assert pool.autoscale.table == ((1.0, {"big": 1}), (4.0, {"big": 2}))  # sorted by rate
