@@ -6,6 +6,7 @@ interval is long), so no premise depends on the machine's speed."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -51,7 +52,8 @@ def desired_in_metrics(text: str) -> dict[str, float]:
 def test_the_rate_the_router_sends_a_model_sizes_it_on_metrics_and_json():
     """8 requests routed since the last tick of the hour-long interval is 8/3600 q/s; at one
     replica's 1/3600 q/s (utilization 1) that is 8 replicas, capped at max_replicas 6. With
-    nothing routed since, the model needs one: the one it has."""
+    nothing routed since, the model needs one — once the replicas asked for are no longer
+    expected."""
     async def main() -> None:
         cfg = config({"capacity": {"big": 1 / LONG}, "max_replicas": 6,
                       "params": {"utilization": 1.0, "window": 1}})
@@ -70,7 +72,11 @@ def test_the_rate_the_router_sends_a_model_sizes_it_on_metrics_and_json():
                 assert got["models"]["big"]["routed"] == 8 and got["models"]["big"]["ready"] == 1
                 assert got["models"]["big"]["rate_rps"] == pytest.approx(8 / LONG)
                 assert desired_in_metrics((await c.get("/metrics")).text) == {"big": 6.0}
-                assert gw.replicas.tick() == {"big": 1}
+                # asked for and not come: counted as starting for a scale-up delay (60 s), so
+                # the hold keeps the ask; once the delay passed without them, one is enough
+                assert gw.replicas.tick() == {"big": 6}
+                assert gw.replicas.last["models"]["big"]["starting"] == 5
+                assert gw.replicas.tick(time.monotonic() + 61) == {"big": 1}
                 assert desired_in_metrics((await c.get("/metrics")).text) == {"big": 1.0}
         finally:
             await svc.stop()
@@ -91,6 +97,8 @@ def test_without_a_capacity_a_late_forecast_asks_for_one_more():
             assert gw.replicas.tick() == {"big": 2}          # quiet: keeps its two
             async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
                 await chat(c)
+            assert gw.replicas.tick() == {"big": 3}
+            # still late, but the replica asked for counts as starting: not asked twice
             assert gw.replicas.tick() == {"big": 3}
             last = gw.replicas.last
             assert last is not None and last["models"]["big"]["forecast_ratio"] > 0
@@ -123,3 +131,19 @@ def test_a_table_file_is_read_beside_the_config(tmp_path):
     cfg.write_text("x: 1\n")
     pool = pool_from_dict(config({"table": "table.yaml"}), str(cfg))
     assert pool.autoscale.table == ((1.0, {"big": 1}), (4.0, {"big": 2}))  # sorted by rate
+
+
+def test_cli_lists_the_autoscalers_and_their_parameters(capsys):
+    import json
+
+    from duetime.cli import main
+
+    assert main(["autoscalers"]) == 0
+    text = capsys.readouterr().out
+    assert "duetime: duetime's" in text and "hold_s (default 120)" in text
+    assert main(["autoscalers", "--json"]) == 0
+    got = {a["name"]: a for a in json.loads(capsys.readouterr().out)}
+    assert set(got) == {"static", "queue-threshold", "llm-d-saturation", "throughput-planner",
+                        "duetime"}
+    assert {p["name"] for p in got["queue-threshold"]["params"]} == {
+        "threshold", "scale_down_stabilization_s"}

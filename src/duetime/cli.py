@@ -185,6 +185,21 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_autoscalers(args: argparse.Namespace) -> int:
+    from duetime.autoscale import autoscaler_names, describe_autoscalers
+    from duetime.autoscale.registry import autoscaler_class
+
+    if args.json:
+        _print_json([{"name": n, "summary": autoscaler_class(n).summary,
+                      "params": [{"name": p.name, "type": p.kind.__name__,
+                                  "default": p.default, "help": p.help}
+                                 for p in autoscaler_class(n).params]}
+                     for n in autoscaler_names()], args.indent)
+        return 0
+    print(describe_autoscalers())
+    return 0
+
+
 def _cmd_policies(args: argparse.Namespace) -> int:
     from duetime.policy import INPUTS, describe, policy_class, policy_names
 
@@ -367,6 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "with --policy-param NAME=VALUE, or in a pool config's policy: {name: ..., "
                 "NAME: VALUE}) and what it consumes (what the gateway keeps fresh for it and "
                 "the simulator gives it).")
+    p.add_argument("--json", action="store_true", help="print them as a JSON list")
+    _add_indent(p)
+
+    p = command("autoscalers", _cmd_autoscalers, "list the autoscalers",
+                "The registered autoscalers: each one's rule and its parameters (set them in a "
+                "pool config's autoscale: {autoscaler: NAME, params: {NAME: VALUE}} for the "
+                "gateway's desired-replica signal; the simulator's Scaling takes the same).")
     p.add_argument("--json", action="store_true", help="print them as a JSON list")
     _add_indent(p)
 

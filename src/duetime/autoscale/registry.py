@@ -27,6 +27,13 @@ def autoscaler_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def autoscaler_class(name: str) -> Any:
+    """The registered class of ``name`` (its ``summary`` and ``params``)."""
+    if name not in _REGISTRY:
+        raise PolicyError(f"unknown autoscaler {name!r}; one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
 def make_autoscaler(name: str, params: Mapping[str, Any] | None = None,
                     where: str = "autoscaler", *,
                     capacity: Mapping[str, float] | None = None,

@@ -6,7 +6,8 @@ each model's best serving replica — and exports the answer: ``duetime_desired_
 on ``/metrics`` (what KEDA's Prometheus scaler reads) and ``GET /duetime/replicas``.
 
 The gateway scales nothing: an actuator reads the signal. Members joining (probing before
-they serve) count as starting, so a replica asked for and coming is not asked for twice. The
+they serve) count as starting, and so do replicas asked for and not yet seen, for a
+scale-up delay after the ask: a replica asked for and coming is not asked for twice. The
 same :class:`~duetime.autoscale.status.PoolStatus` as the simulator's scaling pool
 (:mod:`duetime.sim.scaling`) feeds the autoscaler, so a policy behaves alike in both.
 """
@@ -66,6 +67,11 @@ class DesiredReplicas(Subscriber):
         self._seen: deque[_Seen] = deque()
         self._by_flight: dict[str, _Seen] = {}
         self._routed: Counter[str] = Counter()
+        # model -> (when, replicas) of the last ask above what was provisioned: counted as
+        # starting until the members show them or a scale-up delay passed (an actuator whose
+        # new replicas are invisible until ready — Kubernetes discovery lists ready pods
+        # only — is not asked again for what it is bringing up)
+        self._asked: dict[str, tuple[float, int]] = {}
         self._estimator = SfsEstimator()
         self.last: dict[str, Any] | None = None
 
@@ -108,8 +114,14 @@ class DesiredReplicas(Subscriber):
                 running[s.model] += s.num_running
         recent = self._recent()
         models = tuple(dict.fromkeys([*self.models, *(s.model for s in self.membership)]))
+        starting = phases[Phase.JOINING]
+        for m, (t, asked) in list(self._asked.items()):
+            if now - t >= self.config.scale_up_delay_s:
+                del self._asked[m]  # (not come in the time a replica takes: ask again)
+                continue
+            starting[m] += max(0, asked - phases[Phase.SERVING][m] - starting[m])
         return PoolStatus(now, self.config.interval_s, dict(phases[Phase.SERVING]),
-                          dict(phases[Phase.JOINING]), dict(phases[Phase.DRAINING]),
+                          dict(starting), dict(phases[Phase.DRAINING]),
                           dict(self._routed), dict(waiting), dict(running), recent, models,
                           self.forecast_ratio(now, recent), self.config.scale_up_delay_s)
 
@@ -117,12 +129,12 @@ class DesiredReplicas(Subscriber):
         by: dict[str, list[_Seen]] = {}
         for seen in self._seen:
             by.setdefault(seen.model, []).append(seen)
-        out = {}
-        for m, rows in by.items():
-            col = lambda f: np.array([getattr(r, f) for r in rows], dtype=float)  # noqa: E731
-            out[m] = Recent(col("arrival"), col("first_token"), col("finish"), col("target"),
-                            col("output"), col("prompt"))
-        return out
+        def col(rows: list[_Seen], f: str) -> np.ndarray:
+            return np.array([getattr(r, f) for r in rows], dtype=float)
+
+        return {m: Recent(*(col(rows, f) for f in ("arrival", "first_token", "finish",
+                                                    "target", "output", "prompt")))
+                for m, rows in by.items()}
 
     def forecast_ratio(self, now: float, recent: dict[str, Recent]) -> dict[str, float]:
         """Per model with recent requests: the least forecast TTFT of a typical one (the
@@ -148,6 +160,11 @@ class DesiredReplicas(Subscriber):
         asked = self.autoscaler.desired(st)
         self._routed.clear()
         desired = {m: self.config.clamp(asked.get(m, st.provisioned(m))) for m in st.models}
+        for m, n in desired.items():
+            if n > st.provisioned(m):
+                self._asked[m] = (now, n)
+            elif n < st.provisioned(m):
+                self._asked.pop(m, None)
         for m, n in desired.items():
             self.metrics.desired_replicas.labels(m).set(n)
         self.last = {

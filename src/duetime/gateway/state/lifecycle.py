@@ -12,7 +12,7 @@ only through its logging callbacks):
    health;
 2. then the pool-wide ones, in the order the gateway lists them (``gateway/app.py``): the
    gateway's own load, the admission queue, key metering, the observatory (the dashboard),
-   Prometheus.
+   the desired-replica signal, Prometheus.
 
 What the lifecycle guarantees, so that no subscriber has to check: ``on_dispatch`` first, once;
 ``on_first_token`` at most once, before the end (the flight's ``first_token`` time and a token
