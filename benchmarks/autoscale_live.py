@@ -17,13 +17,16 @@ it) and stops its process once the gateway let it go. Three runs on the same str
 One replica's capacity (requests/s at 95% on time) is measured first by the simulator on the
 stream's own requests (the emulator runs the same engine model). Times are compressed: a
 tick every `--interval` s, a `--delay` s scale-up, duetime's `hold_s` and the HPA's
-scale-down window a quarter of their defaults (30 s, 75 s). Prints, per run: on time (and
+scale-down window a quarter of their defaults (30 s, 75 s); duetime reads the rate over the
+same 60 s as by default (`window` = 60 s / interval). The rate rises and falls over `--ramp`
+s (0: steps). Prints, per run: on time (and
 in the high phase), instance-seconds, and the lags from each rate step to the signal's
 change and to the replica count's change; for `duetime`, whether the signal rose before the
-on-time rate a monitor sees (first tokens over the trailing 20 s) fell below 95%.
+on-time rate a monitor sees of the requests since the rise began (their first tokens over
+the trailing 20 s) fell below 95%.
 
-    python benchmarks/autoscale_live.py [--low 0.6] [--high 3] [--phase 60,120,90]
-        [--profile qwen3-8b] [--speed 1] [--delay 15] [--interval 5] [--seed 0]
+    python benchmarks/autoscale_live.py [--low 0.6] [--high 6] [--phase 60,120,90]
+        [--ramp 60] [--profile qwen3-8b] [--speed 1] [--delay 15] [--interval 5] [--seed 0]
 
 One run each on a shared 2-core machine: the gateway, up to a handful of emulators and the
 client share the cores (the client's CPU time is printed).
@@ -56,6 +59,7 @@ from plan_vs_serve import VOCAB, free_port, one_output_per_request
 ROOT = Path(__file__).resolve().parent.parent
 FLOOR = 0.95
 WINDOW_S = 20.0  # the on-time rate a monitor sees: first tokens over the trailing 20 s
+WINDOW_RATE_S = 60.0  # duetime's autoscaler reads the rate over 60 s (the default 4 x 15 s)
 
 
 @dataclass
@@ -77,17 +81,31 @@ class Trace:
     serving: list[int] = field(default_factory=list)
 
 
-def stream(args, profile) -> tuple[RequestSet, list[tuple[float, float]]]:
-    """The requests (one model's outputs) at the stepped rate, Poisson within each phase."""
+def rate_at(args, t: np.ndarray) -> np.ndarray:
+    """The rate (q/s) at ``t``: ``--low`` for the first phase, up to ``--high`` over
+    ``--ramp`` s, ``--high`` for the second phase, down over ``--ramp`` s, then ``--low`` for
+    the third (``--ramp 0``: steps)."""
+    rise, fall = edges(args)
+    ramp = max(args.ramp, 1e-9)
+    up = np.clip((t - rise) / ramp, 0, 1)
+    down = np.clip((t - fall) / ramp, 0, 1)
+    return args.low + (args.high - args.low) * (up - down)
+
+
+def edges(args) -> tuple[float, float]:
+    """When the rate starts to rise, and to fall."""
+    return args.phase[0], args.phase[0] + args.ramp + args.phase[1]
+
+
+def stream(args, profile) -> RequestSet:
+    """The requests (one model's outputs) at :func:`rate_at`, Poisson (by thinning)."""
     rng = np.random.default_rng([args.seed, 5])
-    phases = [(d, r) for d, r in zip(args.phase, (args.low, args.high, args.low), strict=True)]
-    times, t0 = [], 0.0
-    for d, r in phases:
-        n = rng.poisson(r * d)
-        times.append(np.sort(rng.uniform(t0, t0 + d, n)))
-        t0 += d
-    reqs = sample_requests(profile, np.concatenate(times), rng)
-    return one_output_per_request(reqs, profile.model_names.index(args.profile)), phases
+    end = sum(args.phase) + 2 * args.ramp
+    t = np.cumsum(rng.exponential(1 / args.high, int(args.high * end * 1.2) + 50))
+    t = t[t < end]
+    t = t[rng.random(t.size) < rate_at(args, t) / args.high]
+    reqs = sample_requests(profile, t, rng)
+    return one_output_per_request(reqs, profile.model_names.index(args.profile))
 
 
 def capacity(profile, model: str, reqs: RequestSet, speed: float, seed: int) -> float:
@@ -96,7 +114,7 @@ def capacity(profile, model: str, reqs: RequestSet, speed: float, seed: int) -> 
     lo, hi = 0.05, 20.0
     for _ in range(9):
         mid = (lo * hi) ** 0.5
-        if on_time_alone(profile, model, reqs, mid, 1500, seed) >= FLOOR:
+        if on_time_alone(profile, model, reqs, mid, 4000, seed) >= FLOOR:
             lo = mid
         else:
             hi = mid
@@ -274,9 +292,11 @@ def lag(trace: Trace, at: float, rising: bool, what: str) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--low", type=float, default=0.6)
-    ap.add_argument("--high", type=float, default=3.0)
+    ap.add_argument("--high", type=float, default=6.0)
     ap.add_argument("--phase", default="60,120,90",
                     help="seconds at the low, high and low rates")
+    ap.add_argument("--ramp", type=float, default=60.0,
+                    help="seconds the rate takes to rise and to fall (0: steps)")
     ap.add_argument("--profile", default="qwen3-8b")
     ap.add_argument("--speed", type=float, default=1.0)
     ap.add_argument("--delay", type=float, default=15.0)
@@ -289,23 +309,25 @@ def main() -> None:
     args = ap.parse_args()
     args.phase = [float(x) for x in args.phase.split(",")]
     paper = load_workload("paper")
-    reqs, _ = stream(args, paper)
+    reqs = stream(args, paper)
     cap = capacity(paper, args.profile, reqs, args.speed, args.seed)
     peak = max(1, math.ceil(args.high / (cap * 0.85)))
     low = max(1, math.ceil(args.low / (cap * 0.85)))
     print(f"{len(reqs.arrival)} requests: {args.low:g} q/s for {args.phase[0]:g} s, "
-          f"{args.high:g} for {args.phase[1]:g} s, {args.low:g} for {args.phase[2]:g} s; "
+          f"{args.high:g} for {args.phase[1]:g} s, {args.low:g} for {args.phase[2]:g} s, "
+          f"{args.ramp:g} s ramps; "
           f"one {args.profile} replica (speed {args.speed:g}): {cap:.2f} q/s at 95% on time "
           f"(simulated); static pool {peak}; {os.cpu_count()} CPUs", file=sys.stderr)
     settings = {
         "static": (peak, {"autoscaler": "static"}),
         "duetime": (low, {"autoscaler": "duetime", "capacity": {args.profile: cap},
-                          "params": {"hold_s": 30}}),
+                          "params": {"hold_s": 30,
+                                     "window": max(1, round(WINDOW_RATE_S / args.interval))}}),
         "queue-threshold": (low, {"autoscaler": "queue-threshold",
                                   "params": {"scale_down_stabilization_s": 75}}),
     }
-    up, down = args.phase[0], args.phase[0] + args.phase[1]
-    high = (reqs.arrival >= up) & (reqs.arrival < down)
+    up, down = edges(args)
+    high = (reqs.arrival >= up + args.ramp) & (reqs.arrival < down)
     rows, out = [], {}
     for name in args.runs.split(","):
         cpu0 = time.process_time()
@@ -347,15 +369,16 @@ def main() -> None:
 
 
 def _before_late(reqs: RequestSet, ttft: np.ndarray, tr: Trace, up: float) -> dict:
-    """When the signal first rose after the step up, and when the on-time rate a monitor
-    sees (first tokens in the trailing ``WINDOW_S``, at least 5) first fell below the floor
-    after it (None: never)."""
+    """When the signal first rose after the rate began to rise, and when the on-time rate a
+    monitor sees of the requests that came since (their first tokens in the trailing
+    ``WINDOW_S``, at least 5) first fell below the floor (None: never)."""
     rose = lag(tr, up, True, "desired")
     seen = reqs.arrival + np.where(np.isfinite(ttft), ttft, reqs.target)  # (late: at target)
     hit = ttft <= reqs.target
+    since = reqs.arrival >= up
     late = None
     for t in np.arange(up, seen.max(), 1.0):
-        sel = (seen > t - WINDOW_S) & (seen <= t)
+        sel = since & (seen > t - WINDOW_S) & (seen <= t)
         if sel.sum() >= 5 and hit[sel].mean() < FLOOR:
             late = float(t - up)
             break

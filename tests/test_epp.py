@@ -485,3 +485,41 @@ def test_the_picker_and_a_gateway_replica_share_live_state(redis_server):
                 await gw.stop()
 
     run(go(), 90.0)
+
+
+def test_the_picker_exports_the_desired_replica_signal():
+    """Requests the picker routes size their model in its autoscaler's signal, on its metrics
+    port: ``/duetime/replicas`` and ``duetime_desired_replicas`` (the test ticks itself)."""
+    async def go():
+        port = _free_port()
+        cfg = config(autoscale={"interval_s": 3600, "capacity": {"big": 1 / 3600},
+                                "params": {"utilization": 1.0, "window": 1}})
+        cfg["instances"] = cfg["instances"][:1]
+        cfg["quality"]["tasks"]["chat"] = {"big": 0.9}
+        svc = await PickerService(pool_from_dict(cfg, "test"), host="127.0.0.1", port=0,
+                                  metrics_port=port).start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+                stub = pb_grpc.ExternalProcessorStub(ch)
+                for _ in range(3):
+                    call, out = await route(stub, json.dumps(chat()).encode())
+                    assert set_headers(out[0])[DEST]
+                    call.cancel()
+            assert svc.gateway.replicas.tick() == {"big": 3}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=5) as c:
+                got = (await c.get("/duetime/replicas")).json()["last"]
+                assert got["desired"] == {"big": 3} and got["models"]["big"]["routed"] == 3
+                assert 'duetime_desired_replicas{model="big"} 3.0' in (
+                    await c.get("/metrics")).text
+        finally:
+            await svc.stop(0)
+
+    run(go())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

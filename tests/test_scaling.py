@@ -313,8 +313,21 @@ def test_duetime_s_autoscaler_sizes_ahead_and_adds_on_a_late_forecast():
 
     a = make_autoscaler("duetime", {"utilization": 1.0}, capacity={"m": 2.0})
     assert a.desired(st(15.0, 30)) == {"m": 1}            # 2 q/s: one replica
-    got = a.desired(st(30.0, 60, ratio=0.5))              # 4 q/s, rising 2 q/s in 15 s
-    assert got["m"] > 2                                   # sized for when a new one serves
+    for t, n in ((30.0, 45), (45.0, 60)):                 # 3, 4 q/s: rising ...
+        a.desired(st(t, n, ratio=0.5))
+    # ... 5 q/s: the window's mean is 3.5 q/s (2 replicas), its trend is no noise: sized for
+    # when a new replica serves, up to the highest tick seen (5 q/s: 3 replicas)
+    assert a.desired(st(60.0, 75, ratio=0.5)) == {"m": 3}
+    n = make_autoscaler("duetime", {"utilization": 1.0}, capacity={"m": 1.0})
+    for t, k in ((15.0, 30), (30.0, 48), (45.0, 28)):    # ~2.4 q/s, Poisson-like noise
+        n.desired(st(t, k, ratio=0.5))
+    # no trend in noise: the mean (2.4 q/s: 3 replicas), not the highest tick (3.2: 4)
+    assert n.desired(st(60.0, 38, ratio=0.5)) == {"m": 3}
+    s = make_autoscaler("duetime", {"utilization": 1.0}, capacity={"m": 2.0})
+    for t in (15.0, 30.0, 45.0):                          # 1 q/s, then a step to 5
+        s.desired(st(t, 15, ratio=0.5))
+    assert s.desired(st(60.0, 75, ratio=0.5)) == {"m": 3}  # the new level at once
+    assert s.desired(st(75.0, 75, ready=3, ratio=0.5)) == {"m": 3}  # (older ticks dropped)
     b = make_autoscaler("duetime", capacity={"m": 100.0})
     assert b.desired(st(15.0, 15, ready=2, ratio=1.3)) == {"m": 3}   # late: one more
     assert b.desired(st(30.0, 15, ready=2, starting=1, ratio=1.3)) == {"m": 3}  # (one coming)

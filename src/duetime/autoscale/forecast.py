@@ -4,9 +4,13 @@ forecast that a typical request would be late, before the on-time rate falls.
 
 Per model, every tick:
 
-- the rate the router sends it, per tick, smoothed over the last ``window`` ticks, with its
-  trend (least squares over the window) extrapolated to the tick after a new replica would
-  serve (``scale_up_delay_s`` + the interval): the demand the replicas asked for now must meet;
+- the rate the router sends it, per tick, averaged over the last ``window`` ticks, with its
+  trend (least squares over the window) extrapolated to when a new replica would serve
+  (``scale_up_delay_s`` after the window's middle) — only a trend the Poisson noise does not
+  explain (slope ≥ 2 standard errors), and no higher than the highest tick in the window: the
+  demand the replicas asked for now must meet. A tick whose count is a step up from the
+  window's mean (twice it and 4 Poisson deviations above) starts a new level: the demand is
+  that tick's rate and the older ticks are dropped;
 - replicas = ceil(demand / (one replica's rate at the SLO x ``utilization``)); one replica's
   rate at the SLO (``capacity``) comes from a profile sweep, as the throughput planner's;
 - the engines' forecast (``PoolStatus.forecast_ratio``: a typical request's forecast TTFT at
@@ -43,6 +47,17 @@ HOLD = Param("hold_s", "hold_s", float, 120.0, "seconds the demand must stay low
              "replica is let go", min=0.0)
 
 
+STEP_Z = 4.0     # a tick's count this many Poisson deviations above the window's mean ...
+STEP_RATIO = 2.0  # ... and at least this many times it is a step up
+TREND_T = 2.0    # a trend counts when its slope is this many standard errors above 0
+
+
+def _stepped_up(before: float, last: float) -> bool:
+    """Whether a tick's count ``last`` is a step up from the mean count ``before`` (not the
+    noise of a Poisson stream at that mean)."""
+    return last > STEP_RATIO * before and last - before > STEP_Z * math.sqrt(max(before, 1.0))
+
+
 @dataclass(slots=True)
 class ForecastAutoscaler:
     capacity: Mapping[str, float] = field(default_factory=dict)
@@ -76,13 +91,24 @@ class ForecastAutoscaler:
         """The rate (requests/s) the model will get when a replica asked for now serves."""
         rates = self._rates.setdefault(model, deque(maxlen=self.window))
         rates.append(status.routed.get(model, 0) / status.interval_s)
-        now = float(np.mean(rates))
-        if len(rates) < 2:
+        r = np.asarray(rates)
+        if r.size >= 2 and _stepped_up(r[:-1].mean() * status.interval_s,
+                                       r[-1] * status.interval_s):
+            while len(rates) > 1:  # (a new level: the older ticks no longer tell it)
+                rates.popleft()
+            return float(r[-1])
+        now = float(r.mean())
+        if r.size < 3:
             return now
-        x = np.arange(len(rates), dtype=float) * status.interval_s
-        slope = float(np.polyfit(x, np.asarray(rates), 1)[0])
+        x = np.arange(r.size, dtype=float) * status.interval_s
+        slope, icpt = np.polyfit(x, r, 1)
+        resid = r - (icpt + slope * x)
+        se = math.sqrt(float(resid @ resid) / (r.size - 2) / float(((x - x.mean()) ** 2).sum()))
+        if slope <= 0 or slope < TREND_T * se:  # (no trend the noise does not explain)
+            return now
         ahead = status.scale_up_delay_s + x[-1] / 2  # from the window's middle
-        return max(now, now + slope * ahead) if slope > 0 else now
+        # (no higher than a tick the window saw: a trend fit over a ramp's knee overshoots)
+        return min(now + float(slope) * ahead, float(r.max()))
 
     def planned(self, status: PoolStatus) -> Mapping[str, int] | None:
         """The table's pool for the forecast total rate (None without a table)."""

@@ -129,6 +129,7 @@ class DesiredReplicas(Subscriber):
         by: dict[str, list[_Seen]] = {}
         for seen in self._seen:
             by.setdefault(seen.model, []).append(seen)
+
         def col(rows: list[_Seen], f: str) -> np.ndarray:
             return np.array([getattr(r, f) for r in rows], dtype=float)
 
@@ -139,6 +140,7 @@ class DesiredReplicas(Subscriber):
     def forecast_ratio(self, now: float, recent: dict[str, Recent]) -> dict[str, float]:
         """Per model with recent requests: the least forecast TTFT of a typical one (the
         median prompt) over its serving replicas in rotation, over the median target."""
+        now = min(now, self.clock())  # (a tick asked about a later time: the state is now's)
         out = {}
         for m, r in recent.items():
             serving = [s for s in self.membership
