@@ -116,6 +116,7 @@ def test_without_a_capacity_a_late_forecast_asks_for_one_more():
     ({"autoscaler": "throughput-planner"}, "autoscale.capacity: autoscaler "
                                            "'throughput-planner' needs each model's capacity"),
     ({"min_replicas": 3, "max_replicas": 2}, "min_replicas 3 > max_replicas 2"),
+    ({"min_replicas": 0}, "autoscale.min_replicas: Input should be greater than or equal to 1"),
     ({"table": [{"rate": 1, "replicas": {"small": 1}}]}, "autoscale.table[0]: unknown models"),
     ({"table": "missing.yaml"}, "autoscale.table: cannot read"),
 ])

@@ -34,7 +34,7 @@ class AutoscaleSpec(_Strict):
     params: dict[str, Any] = {}
     interval_s: float = Field(15.0, gt=0, le=3600)
     scale_up_delay_s: float = Field(60.0, ge=0, le=3600)
-    min_replicas: int = Field(1, ge=0, le=1000)
+    min_replicas: int = Field(1, ge=1, le=1000)  # (no scale to zero: a model keeps one)
     max_replicas: int = Field(8, ge=1, le=1000)
     capacity: dict[str, float] = {}             # model -> one replica's requests/s at the SLO
     # the planner's pools by total rate: rows, or a YAML file of rows (`duetime plan
