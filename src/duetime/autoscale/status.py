@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -30,6 +30,16 @@ class Recent:
         """(TTFT, target) of the requests whose first token came after ``t``."""
         ok = self.first_token > t  # (NaN compares False)
         return self.first_token[ok] - self.arrival[ok], self.target[ok]
+
+    def forecast_ratio(self, ttft: Callable[[int], float]) -> float | None:
+        """A typical request's forecast TTFT over its target: ``ttft(prompt tokens)`` (the
+        least over the model's serving replicas) of the median prompt, over the median
+        target; None without requests. Above 1, the next such request is late wherever it
+        goes (:attr:`PoolStatus.forecast_ratio`)."""
+        if not self.target.size:
+            return None
+        prompt = max(1, int(np.median(self.prompt))) if self.prompt.size else 1
+        return ttft(prompt) / float(np.median(self.target))
 
     def tpot_since(self, t: float) -> np.ndarray:
         """Time per output token (after the first) of the requests that finished after ``t``

@@ -204,13 +204,14 @@ class ScalingPool:
         out = {}
         for m, r in recent.items():
             serving = [k for k, rep in enumerate(self.replicas) if rep.serving and rep.model == m]
-            if not serving or not r.target.size:
+            if not serving:
                 continue
-            prompt = int(np.median(r.prompt)) if r.prompt.size else 1
             for k in serving:
                 self.insts[k].now = t
-            best = min(self._estimator.ttft(self.insts[k], prompt, t) for k in serving)
-            out[m] = best / float(np.median(r.target))
+            ratio = r.forecast_ratio(lambda p, ks=serving: min(
+                self._estimator.ttft(self.insts[k], p, t) for k in ks))
+            if ratio is not None:
+                out[m] = ratio
         return out
 
     def tick(self, t: float) -> bool:

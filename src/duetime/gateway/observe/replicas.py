@@ -145,13 +145,14 @@ class DesiredReplicas(Subscriber):
         for m, r in recent.items():
             serving = [s for s in self.membership
                        if s.model == m and s.phase is Phase.SERVING and s.healthy]
-            if not serving or not r.target.size:
+            if not serving:
                 continue
-            prompt = max(1, int(np.median(r.prompt)))
             for s in serving:
                 s.refresh(now)
-            best = min(self._estimator.ttft(s, prompt, now) for s in serving)
-            out[m] = best / float(np.median(r.target))
+            ratio = r.forecast_ratio(lambda p, ss=serving: min(
+                self._estimator.ttft(s, p, now) for s in ss))
+            if ratio is not None:
+                out[m] = ratio
         return out
 
     def tick(self, now: float | None = None) -> dict[str, int]:
