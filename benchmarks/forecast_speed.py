@@ -34,7 +34,14 @@ engine's arrays, its cache borrowed) and ``snapshot+first`` the same forecast th
 built for it, each with everything it does timed, in alternating order (the second puts back
 what the first kept of the cache; the two are checked equal).
 
+A fourth table times forecasts with LoRA adapters (``max_loras``): the paper-like snapshots
+of the first table (200 running, 20 waiting), the running requests on ``max_loras`` adapters
+and the base model, the waiting ones on Zipf-popular adapters of a larger set (some skipped
+for theirs), probes on the base model, on a running adapter and on cold ones; beside the same
+snapshots without adapters, timed in alternating order (``ratio``: with / without).
+
     python benchmarks/forecast_speed.py [--snapshots N] [--quick] [--async-scheduling]
+                                        [--lora-only]
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from duetime.engine import (
     load_profile,
     replay,
 )
+from duetime.engine.snapshot import RequestTable
 from duetime.engine.synthetic import paper_like_snapshot
 
 FURTHER = (16, 512, 2048, 8192, 32768)
@@ -107,6 +115,61 @@ def measure(model, budget: int, n_running: int, n_waiting: int, n_snapshots: int
         replay(snap, 1000, reference=True)
         rows["oracle"].append(time.perf_counter() - t)
     return {"rows": rows, "steps": statistics.median(steps)}
+
+
+def lora_twin(snap: Snapshot, rng: random.Random, max_loras: int, adapters: int) -> Snapshot:
+    """The snapshot on vLLM with ``--max-loras max_loras``: its running requests on that many
+    adapters (and the base model), its waiting ones on Zipf-popular ones of ``adapters``."""
+    live = rng.sample(range(1, adapters + 1), max_loras)
+    weights = [1.0 / (a + 1) for a in range(adapters + 1)]
+    run, wait = snap.running_table, snap.waiting_table
+    cfg = dataclasses.replace(snap.config, max_loras=max_loras)
+    return Snapshot(cfg, snap.model, time=snap.time,
+                    running=RequestTable(run.ids, run.prompt, run.computed, run.output,
+                                         run.predicted, run.arrival,
+                                         [rng.choice([0, *live]) for _ in range(len(run))]),
+                    waiting=RequestTable(wait.ids, wait.prompt, wait.computed, wait.output,
+                                         wait.predicted, wait.arrival,
+                                         rng.choices(range(adapters + 1), weights,
+                                                     k=len(wait))))
+
+
+def measure_lora(model, budget: int, n_snapshots: int, max_loras: int, adapters: int,
+                 asynchronous: bool = False) -> dict:
+    """First and further probes of the same snapshots without and with adapters, alternating:
+    with adapters, the first on the base model, the further ones on the base model and on
+    running adapters (the same horizon as without); then one on a cold adapter, which waits
+    until an adapter's requests have all finished (``steps``: the horizon its forecast
+    replays)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=256,
+                          max_model_len=131072, block_size=16, num_gpu_blocks=100_000,
+                          async_scheduling=asynchronous)
+    rows: dict[str, list[float]] = {k: [] for k in ("first", "further", "first_lora",
+                                                    "further_lora", "cold", "cold_steps")}
+    for seed in range(n_snapshots):
+        rng = random.Random(seed)
+        plain = paper_like_snapshot(rng, model, n_running=200, n_waiting=20, config=cfg)
+        lora = lora_twin(plain, rng, max_loras, adapters)
+        running = sorted(set(lora.running_table.lora.tolist()) - {0})
+        probes = [running[0], 0, running[-1], 0, running[0]]
+        for with_lora in ((False, True) if seed % 2 else (True, False)):
+            snap = lora.at(lora.time) if with_lora else Snapshot(
+                plain.config, plain.model, running=plain.running_table,
+                waiting=plain.waiting_table)
+            key = "_lora" if with_lora else ""
+            t = time.perf_counter()
+            forecast(snap, 1000)
+            rows["first" + key].append(time.perf_counter() - t)
+            for p, a in zip(FURTHER, probes, strict=True):
+                t = time.perf_counter()
+                forecast(snap, p, lora=a if with_lora else 0)
+                rows["further" + key].append(time.perf_counter() - t)
+            if with_lora:
+                t = time.perf_counter()
+                f = forecast(snap, 1000, lora=adapters + 1)
+                rows["cold"].append(time.perf_counter() - t)
+                rows["cold_steps"].append(f.steps)
+    return {"rows": rows}
 
 
 def live_engine(model, budget: int, seed: int, asynchronous: bool = False
@@ -266,6 +329,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer settings and snapshots")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="snapshots of instances that schedule asynchronously (vLLM on GPUs)")
+    ap.add_argument("--lora-only", action="store_true",
+                    help="only the table with LoRA adapters")
     args = ap.parse_args()
     n = 8 if args.quick else args.snapshots
 
@@ -275,6 +340,8 @@ def main() -> None:
     forecast(paper_like_snapshot(random.Random(0), sfs6, n_running=4, n_waiting=2), 100)
     replay(paper_like_snapshot(random.Random(0), sfs6, n_running=4, n_waiting=2), 100)
 
+    if args.lora_only:
+        return lora_table(sfs6, paper4, n, args)
     sizes = [(200, 20)] if args.quick else [(10, 2), (50, 5), (200, 20), (500, 50), (1000, 100)]
     settings = [(m, b, r, w, None) for (r, w) in sizes for m in (sfs6, paper4)
                 for b in (8192, 32768)]
@@ -341,6 +408,36 @@ def main() -> None:
               f"{got['steps']:>5.0f} {_us(rows['first']):>7.1f} {_p90(rows['first']):>7.1f} "
               f"{_us(rows['further']):>7.1f} {_us(rows['kernel']):>18.1f} "
               f"{_us(rows['live']):>7.1f} {_us(rows['snap_first']):>14.1f}")
+    print()
+    lora_table(sfs6, paper4, n, args)
+
+
+def lora_table(sfs6, paper4, n: int, args: argparse.Namespace) -> None:
+    print("with LoRA adapters: paper-like snapshots (200 running on max_loras adapters and the "
+          "base model, 20 waiting on Zipf-popular ones of 'adapters'), beside the same "
+          "snapshots without adapters; first: a probe on the base model; further: probes on "
+          "the base model and running adapters; cold: a first probe on a cold adapter, which "
+          "waits for an adapter's requests to finish ('steps': its horizon); microseconds per "
+          "call")
+    head = (f"{'model':>6} {'budget':>6} {'max_loras':>9} {'adapters':>8} {'first':>7} "
+            f"{'with':>7} {'ratio':>6} {'further':>7} {'with':>7} {'ratio':>6} {'cold':>7} "
+            f"{'steps':>6} {'us/step':>7}")
+    print(head)
+    print("-" * len(head))
+    forecast(lora_twin(paper_like_snapshot(random.Random(0), sfs6, n_running=4, n_waiting=2),
+                       random.Random(0), 2, 4), 100, lora=1)  # compile the LoRA variants
+    combos = [(sfs6, 8192, 4, 16), (sfs6, 8192, 8, 64), (sfs6, 8192, 16, 16)]
+    if not args.quick:
+        combos += [(paper4, 8192, 4, 16), (sfs6, 32768, 4, 16), (sfs6, 8192, 1, 8)]
+    for model, budget, max_loras, adapters in combos:
+        rows = measure_lora(model, budget, n, max_loras, adapters,
+                            args.async_scheduling)["rows"]
+        f0, f1 = _us(rows["first"]), _us(rows["first_lora"])
+        g0, g1 = _us(rows["further"]), _us(rows["further_lora"])
+        cold, steps = _us(rows["cold"]), statistics.median(rows["cold_steps"])
+        print(f"{model.name:>6} {budget:>6} {max_loras:>9} {adapters:>8} {f0:>7.1f} {f1:>7.1f} "
+              f"{f1 / f0:>5.2f}x {g0:>7.1f} {g1:>7.1f} {g1 / g0:>5.2f}x {cold:>7.0f} "
+              f"{steps:>6.0f} {cold / steps:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from duetime.engine import Paper4, ResidentRequest, SchedulerConfig, Sfs6, Snapshot
+from duetime.engine.snapshot import RequestTable
 
 PAPER4 = Paper4(b0=0.004, b1=2.0e-5, b2=5.0e-8, b3=1.0e-9)
 SFS6 = Sfs6(c0=0.0072959, cp=2.0789e-5, cpsq=5.1196e-10, cd=2.5632e-5, cs=4.6491e-8,
@@ -73,3 +74,23 @@ def random_snapshot(rng: random.Random, *, n_running: int | None = None,
     if model is None:
         model = rng.choice([PAPER4, SFS6])
     return Snapshot(cfg, model, time=rng.uniform(0, 100), running=running, waiting=waiting)
+
+
+def lora_snapshot(rng: random.Random, **kwargs) -> Snapshot:
+    """A :func:`random_snapshot` on vLLM with ``--enable-lora``: ``max_loras`` from 1 to 8,
+    adapters 1.. on its requests (Zipf-popular; some on the base model), the running ones on at
+    most ``max_loras`` distinct adapters (as vLLM's scheduler keeps them)."""
+    snap = random_snapshot(rng, **kwargs)
+    max_loras = rng.choice([1, 2, 3, 8])
+    adapters = rng.choice([2, 4, 16])
+    weights = [1.0 / (a + 1) for a in range(adapters + 1)]
+    live = rng.sample(range(1, adapters + 1), min(max_loras, adapters))
+    run, wait = snap.running_table, snap.waiting_table
+    r_lora = [rng.choice([0, *live]) for _ in range(len(run))]
+    w_lora = rng.choices(range(adapters + 1), weights, k=len(wait))
+    cfg = SchedulerConfig(**{**snap.config.to_dict(), "max_loras": max_loras})
+    return Snapshot(cfg, snap.model, time=snap.time,
+                    running=RequestTable(run.ids, run.prompt, run.computed, run.output,
+                                         run.predicted, run.arrival, r_lora),
+                    waiting=RequestTable(wait.ids, wait.prompt, wait.computed, wait.output,
+                                         wait.predicted, wait.arrival, w_lora))

@@ -340,3 +340,31 @@ def test_forecast_behind_a_request_that_never_fits_is_null_with_the_reason(capsy
     out = json.loads(capsys.readouterr().out)
     assert out["estimate_s"] is None
     assert "'big' can never be admitted" in out["reason"] and "8" in out["reason"]
+
+
+def test_forecast_a_probe_on_a_lora_adapter(tmp_path, capsys):
+    """``--lora``: with ``max_loras`` 1 and a request on adapter 1 decoding, a probe on
+    adapter 2 is skipped until it finishes, one on adapter 1 or the base model is not; a
+    forecast request's ``probe.lora`` says the same; a bad id is a one-line error."""
+    snap = {"version": 3, "config": {"max_num_batched_tokens": 512, "max_num_seqs": 8,
+                                     "max_model_len": 4096, "num_gpu_blocks": 1000,
+                                     "max_loras": 1},
+            "batch_time": {"model": "paper4", "coefficients": {"b0": 0.01, "b1": 1e-5,
+                                                               "b2": 0.0, "b3": 0.0}},
+            "running": [{"id": "a", "prompt_tokens": 100, "computed_tokens": 100,
+                         "output_tokens": 1, "predicted_output_tokens": 40, "lora": 1}]}
+    path = tmp_path / "lora.json"
+    path.write_text(json.dumps(snap))
+    got = {}
+    for lora in ("0", "1", "2"):
+        code, out, _ = run(capsys, "forecast", str(path), "--prompt-tokens", "50",
+                           "--lora", lora)
+        assert code == 0
+        got[lora] = json.loads(out)["steps"]
+    assert got["0"] == got["1"] == 1
+    assert got["2"] == 40  # after a's 39 remaining decode steps
+    path.write_text(json.dumps({**snap, "probe": {"prompt_tokens": 50, "lora": 2}}))
+    code, out, _ = run(capsys, "forecast", str(path))
+    assert code == 0 and json.loads(out)["steps"] == 40
+    code, _, err = run(capsys, "forecast", str(path), "--lora", "-1")
+    assert code != 0 and "lora: must be an adapter id" in err and len(err.splitlines()) == 1

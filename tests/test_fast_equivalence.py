@@ -18,7 +18,7 @@ import pytest
 
 from duetime.engine import Forecaster, ForecastError, SchedulerConfig, Snapshot, forecast, replay
 from duetime.engine.synthetic import paper_like_snapshot
-from snapshots import SFS6, random_snapshot
+from snapshots import SFS6, lora_snapshot, random_snapshot
 
 MAX_STEPS = 50_000
 
@@ -65,6 +65,43 @@ def test_kernel_and_forecaster_equal_the_reference_loop(chunk: int) -> None:
             preempting += 1
     assert checked > 200
     assert preempting > 0
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_lora_forecasts_equal_the_reference_loop(chunk: int) -> None:
+    """Snapshots with ``max_loras`` and requests on adapters: probes on the base model, on an
+    adapter that runs and on cold ones. The compiled replay equals the reference loop bit for
+    bit, and the forecaster (its base record with each step's adapters) equals both; some
+    probes are skipped for their adapter (they wait longer than on the base model)."""
+    checked = slower = 0
+    for seed in range(chunk * 60, chunk * 60 + 60):
+        rng = random.Random(7000 + seed)
+        snap = lora_snapshot(rng)
+        fc = Forecaster(snap, max_steps=MAX_STEPS)
+        loras = {0, 1, 2, 5, 17, *snap.running_table.lora.tolist()}
+        for p in _probe_lengths(rng, snap)[:3]:
+            base = None
+            for lora in sorted(loras):
+                ref = _run(replay, snap, p, None, "first_token", reference=True,
+                           max_steps=MAX_STEPS, lora=lora)
+                fast = _run(replay, snap, p, None, "first_token", max_steps=MAX_STEPS,
+                            lora=lora)
+                if isinstance(ref, ForecastError):
+                    assert isinstance(fast, ForecastError), (seed, p, lora, fast)
+                    continue
+                checked += 1
+                assert (fast.estimate_s, fast.steps) == (ref.estimate_s, ref.steps), (
+                    seed, p, lora)
+                got = fc.ttft(p, lora=lora)
+                assert got.steps == ref.steps, (seed, p, lora)
+                assert math.isclose(got.estimate_s, ref.estimate_s, rel_tol=1e-9,
+                                    abs_tol=1e-12), (seed, p, lora)
+                if lora == 0:
+                    base = ref.estimate_s
+                elif base is not None and ref.estimate_s > base * (1 + 1e-9):
+                    slower += 1
+    assert checked > 500
+    assert slower > 10
 
 
 def test_trace_agrees_with_the_forecast() -> None:

@@ -243,11 +243,37 @@ def test_status_listed_under_the_wrong_queue():
                  "snapshot.running[0].status", "waiting")
 
 
-@pytest.mark.parametrize("version", [0, 3, 99])
+@pytest.mark.parametrize("version", [0, 4, 99])
 def test_wrong_version(version):
     err = expect_error(bad(lambda d: d.update(version=version)), "snapshot.version",
                        "unsupported version")
     assert str(version) in str(err)
+
+
+def test_lora_needs_version_3_and_round_trips():
+    """Version 3 carries LoRA adapters: ``config.max_loras`` (or vLLM's ``enable_lora``, whose
+    default is one) and a request's ``lora``; versions 1 and 2 refuse them by name."""
+    expect_error(bad(lambda d: d["config"].update(max_loras=2)), "snapshot.config.max_loras",
+                 "version 3")
+    expect_error(bad(lambda d: d["waiting"][0].update(lora=3)), "snapshot.waiting[0].lora",
+                 "version 3")
+    d = bad(lambda d: (d.update(version=3), d["config"].update(max_loras=2),
+                       d["waiting"][0].update(lora=3)))
+    snap = Snapshot.from_dict(d)
+    assert snap.config.max_loras == 2
+    assert snap.waiting[0].lora == 3 and snap.running[0].lora == 0
+    out = snap.to_dict()
+    assert out["version"] == 3 and out["config"]["max_loras"] == 2
+    assert out["waiting"][0]["lora"] == 3 and "lora" not in out["running"][0]
+    assert Snapshot.from_dict(out).to_dict() == out
+    with pytest.raises(SnapshotError, match="version 1 cannot carry LoRA"):
+        snap.to_dict(version=1)
+    on = Snapshot.from_dict(bad(lambda d: (d.update(version=3),
+                                           d["config"].update(enable_lora=True))))
+    assert on.config.max_loras == 1
+    expect_error(bad(lambda d: (d.update(version=3), d["waiting"][0].update(lora=-1))),
+                 "snapshot.waiting[0].lora", "greater than or equal")
+    assert "max_loras" not in Snapshot.from_dict(valid()).to_dict()["config"]
 
 
 # -- load and round trip ------------------------------------------------------------------------

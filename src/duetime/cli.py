@@ -89,27 +89,27 @@ def _read_snapshot(source: str) -> tuple[Snapshot, Any]:
         raise CliError(f"{name}: {e}") from None
 
 
-def _request_probe(data: Any, name: str) -> tuple[Any, Any, Any, Any, Any]:
-    """(prompt_tokens, predicted_output_tokens, until, trace, block_hashes) of a forecast
-    request: a snapshot with ``"probe": {"prompt_tokens", "predicted_output_tokens"?,
-    "block_hashes"?}`` and optional ``"until"``, ``"trace"`` (see the snapshot format);
-    ``None`` where the JSON says nothing."""
+def _request_probe(data: Any, name: str) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """(prompt_tokens, predicted_output_tokens, until, trace, block_hashes, lora) of a
+    forecast request: a snapshot with ``"probe": {"prompt_tokens", "predicted_output_tokens"?,
+    "block_hashes"?, "lora"?}`` and optional ``"until"``, ``"trace"`` (see the snapshot
+    format); ``None`` where the JSON says nothing."""
     probe = data.get("probe")
     if probe is None:
-        return None, None, data.get("until"), data.get("trace"), None
+        return None, None, data.get("until"), data.get("trace"), None, None
     if not isinstance(probe, dict):
         raise CliError(f"{name}: probe: must be an object with prompt_tokens")
     hashes = probe.get("block_hashes")
     if hashes is not None and not isinstance(hashes, list):
         raise CliError(f"{name}: probe.block_hashes: must be a list of strings or integers")
     return (probe.get("prompt_tokens"), probe.get("predicted_output_tokens"),
-            data.get("until"), data.get("trace"), hashes)
+            data.get("until"), data.get("trace"), hashes, probe.get("lora"))
 
 
 def _cmd_forecast(args: argparse.Namespace) -> int:
     snap, data = _read_snapshot(args.snapshot)
     name = "<stdin>" if args.snapshot == "-" else args.snapshot
-    prompt, predicted, until, trace, hashes = _request_probe(data, name)
+    prompt, predicted, until, trace, hashes, lora = _request_probe(data, name)
     if args.prompt_hashes is not None:
         try:
             hashes = json.loads(args.prompt_hashes)
@@ -124,9 +124,10 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
         predicted = args.predicted_output_tokens
     until = args.until or until or "first_token"
     trace = args.trace or trace is True
+    lora = args.lora if args.lora is not None else (lora or 0)
     try:
         result = forecast(snap, prompt, predicted, until=until, trace=trace,
-                          prompt_hashes=hashes)
+                          prompt_hashes=hashes, lora=lora)
     except ForecastError as e:
         raise CliError(str(e)) from None
     _print_json(result.to_dict(), args.indent)
@@ -356,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with a snapshot of version 2 (prefix caching): the probe's block "
                    "hashes, a JSON list of strings or integers in the form the snapshot's "
                    "requests use (its cached prefix is not computed again)")
+    p.add_argument("--lora", type=int, default=None, metavar="ID",
+                   help="the probe's LoRA adapter (vLLM's lora_int_id; 0, the default: the "
+                   "base model); with config.max_loras (a snapshot of version 3) a step runs "
+                   "at most that many adapters, and a waiting request on another one is "
+                   "skipped")
     _add_indent(p)
 
     p = command("profiles", _cmd_profiles, "list the built-in instance profiles",

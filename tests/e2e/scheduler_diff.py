@@ -13,6 +13,7 @@ As a script it prints the agreement counts (the vLLM venv's python is found as i
 suite: ``DUETIME_VLLM_PYTHON`` or ``.venv-vllm/bin/python``)::
 
     python tests/e2e/scheduler_diff.py [--cases 360] [--seed 0] [--show 3] [--modes sync,async]
+                                       [--caching | --lora]
 """
 
 from __future__ import annotations
@@ -116,6 +117,73 @@ def prefix_cases(seed: int = 0, n: int = 100, *, asynchronous: bool = False) -> 
             for i in range(n)]
 
 
+def lora_case(rng: random.Random, name: str, *, asynchronous: bool = False,
+              caching: bool = False) -> Case:
+    """Requests for several LoRA adapters (and the base model) on vLLM with ``--enable-lora``:
+    ``max_loras`` from tight (1) to loose, adapters from two to many with skewed popularity,
+    bursts that fill the waiting queue with mixed adapters (the skip), KV from ample to tight
+    (preemption of one adapter's request lets another's in), seats and budgets from scarce
+    to ample; with ``caching``, tenants' shared system prompts asked under different
+    adapters (a prefix cached under one adapter misses under another) and repeated
+    prompts."""
+    bs = 16
+    budget = rng.choice([16, 64, 256, 256, 2048])
+    n_adapters = rng.choice([2, 3, 4, 8, 16])
+    cfg = {"max_num_batched_tokens": budget,
+           "max_num_seqs": min(budget, rng.choice([2, 4, 8, 32, 32])),
+           "max_model_len": rng.choice([1024, 4096]), "block_size": bs,
+           "num_gpu_blocks": rng.choice([12, 24, 40, 200, 2000]),
+           "long_prefill_token_threshold": rng.choice([0, 0, 24, 64]),
+           "scheduler_reserve_full_isl": rng.choice([True, True, True, False]),
+           "watermark": rng.choice([0.0, 0.0, 0.05]), "async_scheduling": asynchronous,
+           "enable_prefix_caching": caching, "max_loras": rng.choice([1, 1, 2, 2, 3, 8])}
+    weights = [1.0 / (a + 1) for a in range(n_adapters + 1)]  # Zipf; index 0: the base model
+    systems = [[rng.randint(1000, 30000) for _ in range(rng.choice([20, 40, 100]))]
+               for _ in range(rng.randint(1, 3))]
+    requests: list[dict[str, Any]] = []
+    spread = rng.choice([0, 0, 3, 10, 40])
+    for i in range(rng.randint(2, 16)):
+        lora = rng.choices(range(n_adapters + 1), weights)[0]
+        if caching and rng.random() < 0.8:
+            if requests and rng.random() < 0.15:  # a prompt again, maybe under another adapter
+                ids = list(rng.choice(requests)["prompt_ids"])
+            else:
+                ids = rng.choice(systems) + [rng.randint(1000, 30000)
+                                             for _ in range(rng.randint(1, 60))]
+        else:
+            ids = [rng.randint(1000, 30000) for _ in range(rng.randint(1, 200))]
+        requests.append({"id": f"r{i}", "prompt_tokens": len(ids), "prompt_ids": ids,
+                         "output_tokens": rng.randint(1, rng.choice([3, 20, 60])),
+                         "arrival_step": rng.randint(0, spread), "lora": lora})
+    requests.sort(key=lambda r: r["arrival_step"])
+    return {"name": name, "config": cfg, "requests": requests, "max_steps": 3000}
+
+
+def lora_cases(seed: int = 0, n: int = 100, *, asynchronous: bool = False,
+               caching: bool = False) -> list[Case]:
+    rng = random.Random(seed)
+    mode = ("async" if asynchronous else "sync") + ("-cached" if caching else "")
+    return [lora_case(rng, f"{mode}-lora-{seed}-{i}", asynchronous=asynchronous,
+                      caching=caching) for i in range(n)]
+
+
+def skips(case: Case, result: dict) -> int:
+    """Steps in which a waiting request was passed by a later one for another adapter: a
+    request admitted in a step while an earlier arrival for another adapter still waits
+    (what the ``max_loras`` skip makes; FCFS alone never does)."""
+    arrival = {r["id"]: (r["arrival_step"], i) for i, r in enumerate(case["requests"])}
+    lora = {r["id"]: r.get("lora", 0) for r in case["requests"]}
+    started: set[str] = set()
+    count = 0
+    for k, st in enumerate(result["steps"]):
+        new = [rid for rid, _ in st["scheduled"] if rid not in started]
+        started.update(new)
+        waiting = [rid for rid, (a, _) in arrival.items() if a <= k and rid not in started]
+        if any(lora[w] != lora[n] and arrival[w] < arrival[n] for n in new for w in waiting):
+            count += 1
+    return count
+
+
 def first_steps(result: dict) -> dict[str, int]:
     """Per request, the step that made its first token."""
     return {rid: k for k, st in enumerate(result["steps"]) for rid in st["first"]}
@@ -192,18 +260,20 @@ def engine_config(cfg: dict[str, Any]) -> SchedulerConfig:
                            scheduler_reserve_full_isl=cfg.get("scheduler_reserve_full_isl", True),
                            watermark=cfg.get("watermark", 0.0),
                            async_scheduling=cfg.get("async_scheduling", False),
-                           enable_prefix_caching=cfg.get("enable_prefix_caching", False))
+                           enable_prefix_caching=cfg.get("enable_prefix_caching", False),
+                           max_loras=cfg.get("max_loras", 0))
 
 
 def block_keys(request: dict[str, Any], block_size: int) -> list[int]:
     """Chained keys of the full blocks of a request's whole sequence as the runner makes it
-    (its prompt, then ``output_tokens`` sampled tokens 11): equal exactly when vLLM's block
-    hashes are."""
+    (its prompt, then ``output_tokens`` sampled tokens 11), with its adapter in every block's
+    key as vLLM's extra keys: equal exactly when vLLM's block hashes are."""
     ids = (request.get("prompt_ids") or [7] * request["prompt_tokens"]) + [11] * request[
         "output_tokens"]
+    lora = request.get("lora", 0)
     keys, parent = [], 0
     for k in range(len(ids) // block_size):
-        parent = hash((parent, tuple(ids[k * block_size:(k + 1) * block_size])))
+        parent = hash((parent, tuple(ids[k * block_size:(k + 1) * block_size]), lora))
         keys.append(parent)
     return keys
 
@@ -222,7 +292,8 @@ def run_engine(case: Case) -> dict:
     for k in range(case.get("max_steps", 5000)):
         for r in arrivals.get(k, ()):
             eng.add(Request(r["id"], r["prompt_tokens"], r["output_tokens"],
-                            hashes=block_keys(r, cfg.block_size) if caching else ()))
+                            hashes=block_keys(r, cfg.block_size) if caching else (),
+                            lora=r.get("lora", 0)))
         eng.watch_livelock = k >= last  # as the vLLM runner watches
         if eng.idle:
             if k > last:
@@ -284,6 +355,9 @@ def main() -> None:
     ap.add_argument("--caching", action="store_true",
                     help="shared-prefix cases with prefix caching on (and what a replay without "
                     "caching would miss)")
+    ap.add_argument("--lora", action="store_true",
+                    help="requests for several LoRA adapters on vLLM with --enable-lora "
+                    "(max_loras 1-8), prefix caching off and on")
     args = ap.parse_args()
     python = find_vllm_python()
     if python is None or not python.exists():
@@ -291,6 +365,8 @@ def main() -> None:
                          "DUETIME_VLLM_PYTHON")
     if args.caching:
         return _report_caching(python, args)
+    if args.lora:
+        return _report_lora(python, args)
     for mode in args.modes.split(","):
         asyn = mode == "async"
         batch = cases(args.seed, args.cases, asynchronous=asyn) + targeted(asynchronous=asyn)
@@ -311,6 +387,26 @@ def main() -> None:
         rules = [n for n, _ in diffs if not n.split("-", 1)[1][0].isdigit()]
         if rules:
             print(f"  targeted cases that differ: {', '.join(rules)}")
+
+
+def _report_lora(python: Path, args) -> None:
+    """vLLM with ``--enable-lora`` against the engine, per mode, caching off and on: cases
+    that agree step for step, and how many of them skip a request for its adapter."""
+    for mode in args.modes.split(","):
+        for caching in (False, True):
+            batch = lora_cases(args.seed, args.cases, asynchronous=mode == "async",
+                               caching=caching)
+            wants = run_vllm(python, batch)
+            diffs = [(case["name"], why) for case, want in zip(batch, wants, strict=True)
+                     if (why := compare(want, run_engine(case)))]
+            skipping = sum(1 for case, want in zip(batch, wants, strict=True)
+                           if skips(case, want))
+            print(f"{mode} with LoRA, prefix caching {'on' if caching else 'off'}: "
+                  f"{len(batch) - len(diffs)} of {len(batch)} cases agree step for step "
+                  f"(seed {args.seed}; {skipping} skip a request for its adapter; preemptions "
+                  f"{sum(preemptions(w) for w in wants)})")
+            for name, why in diffs[:args.show]:
+                print(f"  {name}: {why}")
 
 
 def _report_caching(python: Path, args) -> None:

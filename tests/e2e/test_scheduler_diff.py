@@ -16,16 +16,19 @@ import pytest
 from .scheduler_diff import (
     cases,
     compare,
+    lora_cases,
     preemptions,
     prefix_cases,
     run_engine,
     run_vllm,
+    skips,
     targeted,
 )
 
 SEED = 0
 RANDOM_CASES = 360
 PREFIX_CASES = 150
+LORA_CASES = 150
 MODES = ["sync", "async"]
 
 
@@ -94,4 +97,24 @@ def test_engine_caches_prefixes_as_vllm(vllm_python: Path, mode: str) -> None:
     hits = sum(n for w in wants for st in w["steps"] for _, n in st["hits"])
     assert 0.3 < hits / prompt < 0.8
     assert sum(preemptions(w) for w in wants) > 30
+    assert not diffs, f"{len(diffs)} of {len(batch)} cases differ:\n" + "\n".join(diffs[:10])
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["no-caching", "caching"])
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_caps_lora_adapters_as_vllm(vllm_python: Path, mode: str, caching: bool) -> None:
+    """vLLM with ``--enable-lora`` (a ``LoRAConfig`` with ``max_loras`` from 1 to 8) on
+    requests for several adapters and the base model: a waiting request whose adapter would
+    exceed ``max_loras`` in the step is skipped while later ones pass it, and goes back to the
+    queue's front; with prefix caching the adapter is in every block hash. Every step agrees,
+    and the cases exercise the rule: later requests pass skipped ones in many cases."""
+    batch = lora_cases(SEED, LORA_CASES, asynchronous=mode == "async", caching=caching)
+    wants = run_vllm(vllm_python, batch)
+    assert len(wants) == len(batch)
+    diffs = [f"{case['name']}: {why}" for case, want in zip(batch, wants, strict=True)
+             if (why := compare(want, run_engine(case)))]
+    assert sum(1 for case, want in zip(batch, wants, strict=True) if skips(case, want)) > 30
+    assert sum(preemptions(w) for w in wants) > 30
+    if caching:
+        assert sum(n for w in wants for st in w["steps"] for _, n in st["hits"]) > 0
     assert not diffs, f"{len(diffs)} of {len(batch)} cases differ:\n" + "\n".join(diffs[:10])

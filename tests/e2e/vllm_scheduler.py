@@ -9,13 +9,16 @@ A case::
 
     {"name": ..., "config": {"max_num_batched_tokens", "max_num_seqs", "max_model_len",
      "block_size", "num_gpu_blocks", "long_prefill_token_threshold", "async_scheduling",
-     "watermark", "scheduler_reserve_full_isl", "enable_prefix_caching"},
-     "requests": [{"id", "prompt_tokens", "output_tokens", "arrival_step", "prompt_ids"?}],
-     "max_steps"}
+     "watermark", "scheduler_reserve_full_isl", "enable_prefix_caching", "max_loras"?},
+     "requests": [{"id", "prompt_tokens", "output_tokens", "arrival_step", "prompt_ids"?,
+     "lora"?}], "max_steps"}
 
 Prompts are ``prompt_ids`` when given, else ``prompt_tokens`` copies of token 7. With
 ``enable_prefix_caching`` the requests carry vLLM's block hasher (sha256) and every step also
 lists ``"hits": [[id, tokens], ...]``: the prefix-cache hits of the requests it admitted.
+With ``max_loras`` > 0 the scheduler has a ``LoRAConfig`` (``--enable-lora --max-loras``), and
+a request's ``lora`` > 0 is the ``lora_int_id`` of its ``LoRARequest`` (named ``a<id>``, so
+its block hashes carry the adapter as vLLM's hasher makes them); 0 or absent: the base model.
 
 Every request runs to exactly ``output_tokens`` output tokens (``ignore_eos``), unless
 ``max_model_len`` ends it first. A fake model output samples one token for each scheduled
@@ -44,7 +47,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 import torch
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, LoRAConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -93,9 +97,11 @@ def make_scheduler(cfg: dict) -> Scheduler:
         watermark=cfg.get("watermark", 0.0),
         scheduler_reserve_full_isl=cfg.get("scheduler_reserve_full_isl", True))
     caching = bool(cfg.get("enable_prefix_caching", False))
+    loras = cfg.get("max_loras", 0)
     vllm_config = VllmConfig(scheduler_config=sched_config, model_config=model_config,
                              cache_config=CacheConfig(block_size=bs,
-                                                      enable_prefix_caching=caching))
+                                                      enable_prefix_caching=caching),
+                             lora_config=LoRAConfig(max_loras=loras) if loras else None)
     # the CPU platform forces asynchronous scheduling off in the config: set it back
     vllm_config.scheduler_config.async_scheduling = asynchronous
     register_all_kvcache_specs(vllm_config)
@@ -157,7 +163,10 @@ def run_case(case: dict) -> dict:
             req = Request(request_id=r["id"], prompt_token_ids=list(ids),
                           sampling_params=SamplingParams(max_tokens=r["output_tokens"],
                                                          ignore_eos=True, temperature=0.0),
-                          pooling_params=None, arrival_time=float(k), block_hasher=hasher)
+                          pooling_params=None, arrival_time=float(k), block_hasher=hasher,
+                          lora_request=(LoRARequest(f"a{r['lora']}", r["lora"],
+                                                    f"/adapters/a{r['lora']}")
+                                        if r.get("lora") else None))
             reqs[r["id"]] = req
             sched.add_request(req)
             lone = None

@@ -21,7 +21,9 @@ class SchedulerConfig:
     k's output is applied (vLLM's default on GPUs; the CPU platform turns it off);
     ``enable_prefix_caching`` reuses cached full blocks of shared prefixes (vLLM's default is on;
     here off, the form of snapshots of version 1, until a caller gives the requests' block
-    hashes).
+    hashes); ``max_loras`` > 0 is vLLM's ``--enable-lora --max-loras``: at most that many
+    distinct LoRA adapters in one step, a waiting request whose adapter would exceed it is
+    skipped (0: LoRA off, vLLM without ``--enable-lora``; adapters are then not capped).
     """
 
     max_num_batched_tokens: int = 8192
@@ -34,6 +36,7 @@ class SchedulerConfig:
     watermark: float = 0.0
     async_scheduling: bool = False
     enable_prefix_caching: bool = False
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -48,6 +51,10 @@ class SchedulerConfig:
         if not isinstance(thr, int) or isinstance(thr, bool) or thr < 0:
             raise ValueError(
                 f"config.long_prefill_token_threshold: must be an integer >= 0, got {thr!r}")
+        loras = self.max_loras
+        if not isinstance(loras, int) or isinstance(loras, bool) or loras < 0:
+            raise ValueError(f"config.max_loras: must be an integer >= 0 (0: LoRA off), got "
+                             f"{loras!r}")
         for name in ("scheduler_reserve_full_isl", "async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"config.{name}: must be true or false, got "
@@ -101,4 +108,8 @@ class SchedulerConfig:
         return None
 
     def to_dict(self) -> dict[str, int | float | bool]:
-        return asdict(self)
+        """The fields by name; ``max_loras`` only when LoRA is on (the form before it)."""
+        out = asdict(self)
+        if not self.max_loras:
+            del out["max_loras"]
+        return out

@@ -161,7 +161,7 @@ class Engine:
         self._cfg = config_array(config)
         self._w = np.array(model.weights, dtype=np.float64)
         self._floor_w = self._floor_weights()
-        self._work = np.zeros((2, n), dtype=np.int64)
+        self._work = np.zeros((kn.WORK_ROWS, n), dtype=np.int64)
         self._out = np.zeros(kn.OUT_SIZE, dtype=np.int64)
         # prefix caching: the block pool and the arenas of blocks and known keys (kernel doc)
         self.caching = config.enable_prefix_caching
@@ -184,6 +184,7 @@ class Engine:
         self._live: LiveForecaster | None = None
         self._layout_watchers: list[Callable[[], None]] = []
         self._load_row: np.ndarray | None = None
+        self.lora_seen = False  # a request on a LoRA adapter was added (snapshots carry them)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -337,17 +338,22 @@ class Engine:
 
     def add(self, request_id: str, prompt_tokens: int, stop: int, *,
             output_tokens: int = 0, predicted_output_tokens: int | None = None,
-            arrival: float | None = None, hashes: Sequence[int] | np.ndarray = ()) -> None:
+            arrival: float | None = None, hashes: Sequence[int] | np.ndarray = (),
+            lora: int = 0) -> None:
         """Queue a request (``stop``: the output length it stops at) at the waiting tail.
 
         ``predicted_output_tokens`` (default: ``stop``) is what :meth:`snapshot` shows a router.
         ``hashes`` (prefix caching): the int64 keys of the full blocks of its sequence, as far
-        as known (see :class:`~duetime.engine.request.Request`).
+        as known, its adapter in them (see :class:`~duetime.engine.request.Request`);
+        ``lora``: its LoRA adapter (vLLM's ``lora_int_id``; 0: the base model).
         """
         if request_id in self._rows:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         if prompt_tokens < 1 or stop < 1 or output_tokens < 0:
             raise ValueError("prompt_tokens and stop must be >= 1, output_tokens >= 0")
+        if isinstance(lora, bool) or not isinstance(lora, int | np.integer) or lora < 0:
+            raise ValueError(f"lora: must be an adapter id >= 0 (0: the base model), got "
+                             f"{lora!r}")
         if prompt_tokens + output_tokens >= self.config.max_model_len:
             raise ValueError(f"request {request_id!r}: {prompt_tokens + output_tokens} tokens "
                              f"reach max_model_len {self.config.max_model_len}")
@@ -376,6 +382,9 @@ class Engine:
             prompt_tokens, output_tokens, stop)
         self._pred[r] = stop if predicted_output_tokens is None else predicted_output_tokens
         self._arrival[r] = self._clock[0] if arrival is None else arrival
+        if lora:
+            self._req[r, kn.LORA] = lora
+            self.lora_seen = True
         if self.caching:
             self._place(r, np.asarray(hashes, dtype=np.int64))
         n = self._wq.shape[0]
@@ -438,7 +447,7 @@ class Engine:
         self._wq = np.zeros(2 * old, dtype=np.int64)
         self._wq[:len(waiting)] = waiting
         self._st[kn.WH] = 0
-        self._work = np.zeros((2, 2 * old), dtype=np.int64)
+        self._work = np.zeros((kn.WORK_ROWS, 2 * old), dtype=np.int64)
         self._relaid()
 
     def _changed(self) -> None:
@@ -507,7 +516,7 @@ class Engine:
         self._wq = np.zeros(size, dtype=np.int64)
         self._wq[:len(wait_rows)] = np.searchsorted(live, wait_rows)
         self._st[kn.WH] = 0
-        self._work = np.zeros((2, size), dtype=np.int64)
+        self._work = np.zeros((kn.WORK_ROWS, size), dtype=np.int64)
         self._changed()
         self._relaid()
 
@@ -822,13 +831,14 @@ class Engine:
         rows_r = self._run[:nrun]
         rows_w = self._waiting_rows()
         req, ids = self._req, self._ids
+        lora = self.lora_seen
 
         def table(rows: np.ndarray) -> RequestTable:
             # (asynchronous scheduling: computed = prompt + output while a token is in flight)
             kept = rows.copy()  # (the engine's running order changes as it steps)
             return RequestTable(lambda: [ids[r] for r in kept.tolist()], req[rows, kn.PROMPT],
                                 req[rows, kn.COMP], req[rows, kn.OUTPUT], self._pred[rows],
-                                self._arrival[rows])
+                                self._arrival[rows], req[rows, kn.LORA] if lora else None)
 
         snap = Snapshot(self.config, self.model,
                         time=float(self._clock[0]) if time is None else time,
@@ -856,12 +866,14 @@ class Engine:
         rows_r = self._run[:nrun]
         rows_w = self._waiting_rows()
         req, pred = self._req, self._pred
+        loras = ((req[rows_r, kn.LORA], req[rows_w, kn.LORA])
+                 if self.lora_seen and self.config.max_loras else (None, None))
         return replay_state(self.config, self.model,
                             (req[rows_r, kn.PROMPT], req[rows_r, kn.COMP],
                              req[rows_r, kn.OUTPUT], pred[rows_r]),
                             (req[rows_w, kn.PROMPT], req[rows_w, kn.OUTPUT], pred[rows_w]),
                             self._prefix_state(rows_r, rows_w) if self.caching else None,
-                            sigma)
+                            sigma, loras=loras)
 
     @property
     def cache_table(self) -> np.ndarray | None:

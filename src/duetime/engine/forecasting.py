@@ -11,7 +11,9 @@ whatever its length: it is last in the waiting queue, and once admitted it is la
 running order, so it only takes budget nobody else wants and is the first to be preempted. So
 the :class:`Forecaster` replays the snapshot *without* a probe once (the base trajectory,
 recorded step by step and extended on demand) and answers each probe from the record: the
-first step where the queue ahead has drained with budget, a seat and KV blocks left admits it;
+first step where the queue ahead has drained with budget, a seat and KV blocks left admits it
+(with LoRA adapters, the first that went through the queue with room for its adapter: requests
+skipped for theirs may stay ahead; ``docs/engine.md``);
 after that it takes, step by step, the budget the base left after its running requests, until
 its prompt is done. Its time is the base time plus its own batch-time terms (the models are
 additive over requests). If the base preempts after the probe would have been admitted, or
@@ -103,8 +105,8 @@ def config_array(cfg: SchedulerConfig) -> np.ndarray:
     return np.array([cfg.max_num_batched_tokens, cfg.chunk_cap, cfg.max_num_seqs,
                      cfg.max_model_len, cfg.block_size, cfg.usable_blocks,
                      block_shift(cfg.block_size), cfg.watermark_blocks,
-                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling)],
-                    dtype=np.int64)
+                     int(cfg.scheduler_reserve_full_isl), int(cfg.async_scheduling),
+                     cfg.max_loras], dtype=np.int64)
 
 
 @lru_cache(maxsize=256)
@@ -113,9 +115,10 @@ def weights_array(model: BatchTimeModel) -> np.ndarray:
 
 
 def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None,
-           probe_hashes: Sequence[int] | np.ndarray | None = None) -> tuple:
+           probe_hashes: Sequence[int] | np.ndarray | None = None, probe_lora: int = 0) -> tuple:
     """Fresh replay arrays for the snapshot (see :mod:`~duetime.engine.scheduler_kernel`); ``probe`` = (prompt, stop)
-    joins the queue's tail (with its block keys ``probe_hashes`` under prefix caching). With
+    joins the queue's tail (with its block keys ``probe_hashes`` under prefix caching, on
+    adapter ``probe_lora``). With
     prefix caching the replay borrows the cache behind the snapshot
     (:mod:`duetime.engine.prefix_state`): the caller puts it back with :func:`_give_back`."""
     cfg = snapshot.config
@@ -123,22 +126,31 @@ def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = Non
         raise ForecastError("config.enable_prefix_caching: this snapshot carries no cache "
                             "state (take it from a live engine, or use snapshot version 2)")
     run, wait = snapshot.running_table, snapshot.waiting_table
+    loras = (run.lora, wait.lora) if cfg.max_loras else (None, None)
     return replay_state(cfg, snapshot.model, (run.prompt, run.computed, run.output,
                                               run.predicted),
                         (wait.prompt, wait.output, wait.predicted), snapshot.prefix, sigma,
-                        probe, probe_hashes)
+                        probe, probe_hashes, loras, probe_lora)
 
 
 def replay_state(cfg: SchedulerConfig, model: BatchTimeModel, running: tuple, waiting: tuple,
                  prefix: Any, sigma: float, probe: tuple[int, int] | None = None,
-                 probe_hashes: Sequence[int] | np.ndarray | None = None) -> tuple:
+                 probe_hashes: Sequence[int] | np.ndarray | None = None,
+                 loras: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
+                 probe_lora: int = 0) -> tuple:
     """The replay arrays of a state given as columns: ``running`` = (prompt, computed, output,
-    predicted), ``waiting`` = (prompt, output, predicted), in scheduler order, and its cache
-    (a :class:`~duetime.engine.prefix_state.PrefixState`, or None); what a snapshot of that
+    predicted), ``waiting`` = (prompt, output, predicted), in scheduler order, their adapters
+    ``loras`` = (running, waiting; None: the base model's), and its cache (a
+    :class:`~duetime.engine.prefix_state.PrefixState`, or None); what a snapshot of that
     state gives (:func:`_state`), and what a live engine's forecaster reads without one."""
     cfg_arr = config_array(cfg)
+    r_lora, w_lora = loras
+    if (r_lora is None) != (w_lora is None):  # (the kernel takes both or neither)
+        r_lora = np.zeros(len(running[0]), np.int64) if r_lora is None else r_lora
+        w_lora = np.zeros(len(waiting[0]), np.int64) if w_lora is None else w_lora
     req, stamps, running_rows, wq, st, clock = kn.prepare(
-        *running, *waiting, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0)
+        *running, *waiting, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0,
+        r_lora, w_lora)
     caching = prefix is not None and cfg.enable_prefix_caching
     if st[kn.FREE] < 0 and not caching:  # (with caching, shared blocks count once: below)
         raise ForecastError(f"snapshot: the running requests hold "
@@ -147,6 +159,7 @@ def replay_state(cfg: SchedulerConfig, model: BatchTimeModel, running: tuple, wa
                             "one is the null block)")
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
+        req[-1, kn.LORA] = probe_lora
         st[kn.WC] += 1
     pool = kn.NO_POOL
     if caching:
@@ -212,17 +225,27 @@ def _check_probe(config: SchedulerConfig, prompt_tokens: int,
     return 1
 
 
+def _check_lora(lora: int) -> int:
+    if isinstance(lora, bool) or not isinstance(lora, int | np.integer) or lora < 0:
+        raise ForecastError(f"lora: must be an adapter id >= 0 (0: the base model), got "
+                            f"{lora!r}")
+    return int(lora)
+
+
 def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int | None = None,
            until: Until = "first_token", *, reference: bool = False, trace: bool = False,
            sigma: float = DEFAULT_SIGMA, max_steps: int = DEFAULT_MAX_STEPS,
-           prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
+           prompt_hashes: Sequence[int] | np.ndarray | None = None,
+           lora: int = 0) -> Forecast:
     """Replay the snapshot with the probe appended, compiled or step by step.
 
     ``reference=True`` (implied by ``trace``) uses the plain per-request Python loop: the oracle
     (not with prefix caching: it cannot borrow a live engine's cache). ``prompt_hashes``: the
-    probe's block keys, with prefix caching (else its blocks are its own).
+    probe's block keys, with prefix caching (else its blocks are its own); ``lora``: the
+    probe's adapter (0: the base model).
     """
     stop = _check_probe(snapshot.config, prompt_tokens, predicted_output_tokens, until)
+    lora = _check_lora(lora)
     prompt_tokens = int(prompt_tokens)
     try:
         prompt_hashes = block_keys(prompt_hashes)
@@ -244,9 +267,9 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
         def make(r: int) -> Request:
             return Request(_request_id(snapshot, r, pid), int(req[r, kn.PROMPT]),
                            int(req[r, kn.STOP]), output=int(req[r, kn.OUTPUT]),
-                           computed=int(req[r, kn.COMP]))
+                           computed=int(req[r, kn.COMP]), lora=int(req[r, kn.LORA]))
 
-        probe = Request(pid, prompt_tokens, stop, arrival=t0)
+        probe = Request(pid, prompt_tokens, stop, arrival=t0, lora=lora)
         eng = ReferenceEngine(snapshot.config, snapshot.model, time=t0,
                               running=[make(r) for r in range(n_run)],
                               waiting=[*(make(r) for r in range(n_run, n_run + n_wait)), probe])
@@ -264,7 +287,7 @@ def replay(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int 
         except EngineStuck as e:
             return Forecast(math.inf, eng.steps, steps, reason=str(e))
         return Forecast(getattr(probe, attr) - t0, eng.steps - late, steps)
-    state = _state(snapshot, sigma, (prompt_tokens, stop), prompt_hashes)
+    state = _state(snapshot, sigma, (prompt_tokens, stop), prompt_hashes, lora)
     try:
         code, detail = kn.run_probe(*state, state[0].shape[0] - 1, until == "finish",
                                     max_steps)
@@ -400,7 +423,8 @@ class Forecaster:
         self._gen = -1  # the log's generation that holds the lease
         self._events: tuple[np.ndarray, ...] | None = None  # see events_by_key
         self._room = np.zeros(3, dtype=np.int64)  # see scheduler_kernel.run_base
-        self._rec = np.empty((64, 3), dtype=np.int64)
+        self._loras = cfg.max_loras
+        self._rec = np.empty((64, self._rec_columns()), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
         self._rec_t = np.empty(64)
         self._n = 0
@@ -410,7 +434,8 @@ class Forecaster:
     # -- the base trajectory --------------------------------------------------------------------
 
     def _extend(self, more: int) -> bool:
-        """Record base steps until the probe room since the queue first drained has grown by
+        """Record base steps until the probe room since admission first reached the queue's
+        tail (drained it, without LoRA) has grown by
         ``more`` (> 0) tokens; ``False`` if the base had nothing more to do."""
         if self._done:
             return False
@@ -450,9 +475,15 @@ class Forecaster:
 
     def _grow_record(self) -> None:
         grow = self._rec.shape[0]
-        self._rec = np.concatenate((self._rec, np.empty((grow, 3), dtype=np.int64)))
+        self._rec = np.concatenate((self._rec, np.empty((grow, self._rec.shape[1]),
+                                                        dtype=np.int64)))
         self._cum = np.concatenate((self._cum, np.zeros((grow, 4), dtype=np.int64)))
         self._rec_t = np.concatenate((self._rec_t, np.empty(grow)))
+
+    def _rec_columns(self) -> int:
+        """Columns of the base's record: with ``max_loras``, each step's adapters too (see
+        :func:`~duetime.engine.scheduler_kernel.run_base`)."""
+        return 3 if not self._loras else 4 + self._loras
 
     def _ended(self, code: int) -> None:
         if code != kn.REACHED:
@@ -464,17 +495,20 @@ class Forecaster:
     # -- probes ---------------------------------------------------------------------------------
 
     def ttft(self, prompt_tokens: int,
-             prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
+             prompt_hashes: Sequence[int] | np.ndarray | None = None, *,
+             lora: int = 0) -> Forecast:
         """TTFT forecast (``until="first_token"``) for a probe of ``prompt_tokens`` tokens at the queue's tail
-        (``prompt_hashes``: its block keys, with prefix caching)."""
+        (``prompt_hashes``: its block keys, with prefix caching, the adapter in them;
+        ``lora``: its adapter, 0 the base model)."""
         try:
-            return self._ttft(prompt_tokens, prompt_hashes)
+            return self._ttft(prompt_tokens, prompt_hashes, lora)
         except _EventsLost:
-            return self._replay(int(prompt_tokens), prompt_hashes)
+            return self._replay(int(prompt_tokens), prompt_hashes, lora)
 
     def _ttft(self, prompt_tokens: int,
-              prompt_hashes: Sequence[int] | np.ndarray | None) -> Forecast:
+              prompt_hashes: Sequence[int] | np.ndarray | None, lora: int) -> Forecast:
         _check_probe(self.config, prompt_tokens, None, "first_token")
+        lora = _check_lora(lora)
         p = int(prompt_tokens)
         cap = self._cap
         bs = self._bs
@@ -490,9 +524,13 @@ class Forecaster:
                 if not len(keys):
                     keys = None
 
-        # 1. Admission: the first step that drains the queue ahead and leaves budget, a seat
-        #    and KV blocks for the probe (its whole prompt, with vLLM's full-sequence
-        #    admission; else its first chunk) with the watermark to spare.
+        # 1. Admission: the first step that goes through the queue ahead and leaves budget, a
+        #    seat and KV blocks for the probe (its whole prompt, with vLLM's full-sequence
+        #    admission; else its first chunk) with the watermark to spare, and with
+        #    max_loras room for its adapter. Admitted while others ahead were skipped for
+        #    their adapters (then its adapter is among the step's), it changes nothing in
+        #    that step; in later ones it could (their budget, their adapters) only where the
+        #    base admits a request: such steps count as the preempting ones below.
         room = self._room
         while not room[1] and self._extend(p):
             pass
@@ -500,30 +538,36 @@ class Forecaster:
         c = 0  # with prefix caching: the probe's tokens found cached at its admission
         s = int(room[2]) if room[1] else None
         if s is not None:
-            need_flags = kn.DRAINED | kn.SEATS
             while True:
-                if s >= self._n and not self._extend(max(p, cap)):
-                    s = None
-                    break
-                la, free, flags = self._rec[s].tolist()
-                if flags & need_flags == need_flags and la > 0:
-                    h = 0 if keys is None else self._hits(keys, 2 * s)
-                    c = h * bs
-                    x0 = min(p - c, cap, la)
-                    need = blocks_for(p if self._full else c + x0, bs) - h + self._spare
-                    if need + h <= free:  # (even if every hit block costs a free one)
+                s = kn.scan_admission(self._rec, s, self._n, lora, self._loras)
+                if s >= self._n:
+                    # (a probe on a cold adapter may wait long: the base grows geometrically)
+                    if not self._extend(max(p, cap, int(room[0]) if self._loras else 0)):
+                        s = None
                         break
-                    if h and need <= free:  # it depends on whether nobody holds them
-                        return self._replay(p, keys)
+                    continue
+                la, free = self._rec[s, :2].tolist()
+                if self._loras and lora > 0 and self._rec[s, 3] > self._loras:
+                    # the step ran more adapters than max_loras (a snapshot vLLM would not
+                    # make): its record lists only the first ones
+                    return self._replay(p, keys, lora)
+                h = 0 if keys is None else self._hits(keys, 2 * s)
+                c = h * bs
+                x0 = min(p - c, cap, la)
+                need = blocks_for(p if self._full else c + x0, bs) - h + self._spare
+                if need + h <= free:  # (even if every hit block costs a free one)
+                    break
+                if h and need <= free:  # it depends on whether nobody holds them
+                    return self._replay(p, keys, lora)
                 s += 1
         if s is None:  # the base went idle first: the probe runs alone from then on
             if self._failed:
-                return self._replay(p, keys)
+                return self._replay(p, keys, lora)
             c = 0 if keys is None else self._hits(keys, 1 << 62) * bs
             return self._alone(p, c, 0.0)
 
         if int(self._rec[s, 2]) & kn.NO_MODEL:
-            return self._replay(p, keys)  # the probe would run the step's model alone
+            return self._replay(p, keys, lora)  # the probe would run the step's model alone
         # 2. Progress: the budget the base leaves after its running requests, step by step.
         rem = p - c - x0
         if rem == 0:
@@ -539,13 +583,13 @@ class Forecaster:
         c_s = cum[s + 1].tolist()
         c_last = cum[last + 1].tolist()
         if c_last[3] - c_s[3]:
-            return self._replay(p, keys)
+            return self._replay(p, keys, lora)
         if int(self._rec[s:last + 1, 1].min()) < blocks_for(p, bs):
             # KV may run short with the probe resident: replay exactly
-            return self._replay(p, keys)
+            return self._replay(p, keys, lora)
         if e >= n:  # the base went idle before the prompt was done
             if self._failed:
-                return self._replay(p, keys)
+                return self._replay(p, keys, lora)
             done = c + x0 + c_last[0] - base
             sq = x0 * x0 + c_last[1] - c_s[1]
             nsteps = 1 + c_last[2] - c_s[2]
@@ -614,10 +658,10 @@ class Forecaster:
             (j - 1) * self._model.intercept)
         return Forecast(t + own, k + j)
 
-    def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None
-                ) -> Forecast:
+    def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None,
+                lora: int = 0) -> Forecast:
         return replay(self.snapshot, p, None, "first_token", sigma=self.sigma,
-                      max_steps=self.max_steps, prompt_hashes=prompt_hashes)
+                      max_steps=self.max_steps, prompt_hashes=prompt_hashes, lora=lora)
 
 
 def forecaster(snapshot: Snapshot) -> Forecaster:
@@ -630,17 +674,21 @@ def forecaster(snapshot: Snapshot) -> Forecaster:
 
 def forecast(snapshot: Snapshot, prompt_tokens: int, predicted_output_tokens: int | None = None,
              until: Until = "first_token", trace: bool = False,
-             prompt_hashes: Sequence[int] | np.ndarray | None = None) -> Forecast:
+             prompt_hashes: Sequence[int] | np.ndarray | None = None,
+             lora: int = 0) -> Forecast:
     """Forecast the probe's TTFT (``until="first_token"``) or end-to-end latency
     (``until="finish"``, needs ``predicted_output_tokens``) from ``snapshot.time``.
 
     With ``trace=True`` every replayed step is listed (this uses the reference loop). With
     prefix caching, ``prompt_hashes`` are the probe's block keys (the full blocks of its
-    prompt, as the instance hashes them): its cached prefix is not computed again.
+    prompt, as the instance hashes them, its adapter in them): its cached prefix is not
+    computed again. ``lora``: the probe's LoRA adapter (vLLM's ``lora_int_id``; 0: the base
+    model), capped with the others at ``max_loras`` per step.
     """
     if trace:
-        return replay(snapshot, prompt_tokens, predicted_output_tokens, until, trace=True)
+        return replay(snapshot, prompt_tokens, predicted_output_tokens, until, trace=True,
+                      lora=lora)
     if until == "first_token":
-        return forecaster(snapshot).ttft(prompt_tokens, prompt_hashes)
+        return forecaster(snapshot).ttft(prompt_tokens, prompt_hashes, lora=lora)
     return replay(snapshot, prompt_tokens, predicted_output_tokens, until,
-                  prompt_hashes=prompt_hashes)
+                  prompt_hashes=prompt_hashes, lora=lora)

@@ -20,14 +20,20 @@ class Request:
     own (``(id, index)``: nobody else can hit it, but the request itself can after a
     preemption). ``block_ids`` are the blocks it holds, in order, and ``num_cached`` how many of
     them are registered in the cache (the block ledger keeps both).
+
+    ``lora`` is its LoRA adapter (vLLM's ``lora_int_id``; 0: the base model). With
+    ``max_loras`` set, the scheduler caps the distinct adapters of one step
+    (``docs/scheduling-rules.md``, "LoRA adapters"); with prefix caching the adapter is part of
+    its block keys (the caller's: vLLM's hashes carry it as an extra key).
     """
 
     __slots__ = ("arrival", "block_ids", "blocks", "computed", "finished", "first_token",
-                 "hashes", "id", "num_cached", "output", "pending", "prompt", "stale", "stop")
+                 "hashes", "id", "lora", "num_cached", "output", "pending", "prompt", "stale",
+                 "stop")
 
     def __init__(self, id: str, prompt: int, stop: int, *, output: int = 0, computed: int = 0,
                  blocks: int = 0, arrival: float = 0.0,
-                 hashes: Sequence[Hashable] = ()) -> None:
+                 hashes: Sequence[Hashable] = (), lora: int = 0) -> None:
         self.id = id
         self.prompt = prompt
         self.stop = stop
@@ -35,6 +41,7 @@ class Request:
         self.computed = computed
         self.blocks = blocks
         self.arrival = arrival
+        self.lora = lora
         self.first_token: float | None = None
         self.finished: float | None = None
         # asynchronous scheduling: tokens scheduled for sampling whose output is not applied
@@ -56,4 +63,5 @@ class Request:
 
     def __repr__(self) -> str:
         return (f"Request({self.id!r}, P={self.prompt}, O={self.output}, T={self.stop}, "
-                f"C={self.computed}, B={self.blocks})")
+                f"C={self.computed}, B={self.blocks}"
+                + (f", lora={self.lora})" if self.lora else ")"))

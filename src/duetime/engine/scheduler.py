@@ -40,6 +40,7 @@ class StepRecord:
     tokens: list[str] = field(default_factory=list)  # requests that produced an output token
     scheduled: list[tuple[str, int]] = field(default_factory=list)  # in schedule order
     hits: list[tuple[str, int]] = field(default_factory=list)  # prefix-cache hits, in tokens
+    skipped: list[str] = field(default_factory=list)  # max_loras: skipped waiting requests
     outputs_of: int | None = None  # async: the step whose outputs the three lists above are
 
     @property
@@ -208,15 +209,27 @@ class ReferenceEngine:
         first chunk if the block ledger admits it (its whole sequence fits, with the
         watermark while others run); if not, admission stops: nobody behind it is admitted.
         With prefix caching, a request with nothing computed first looks up its cached
-        prefix and computes only the rest. Appends to ``scheduled``."""
+        prefix and computes only the rest. With ``max_loras``, a request whose adapter is not
+        among the step's adapters (those of the requests scheduled so far) when they are
+        ``max_loras`` already is skipped, before any lookup: it leaves the queue for the rest
+        of the phase (the next ones are tried) and goes back to its front, in queue order,
+        when the phase ends. Appends to ``scheduled``."""
         kv = self.kv
         cfg = self.config
         running, waiting = self.running, self.waiting
+        max_loras = cfg.max_loras
+        # (vLLM asserts the running ones are at most max_loras; a snapshot given from outside
+        # may have more: then none is added)
+        loras = {r.lora for r, _ in scheduled if r.lora > 0} if max_loras else set()
+        skipped: list[Request] = []
         while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
             r = waiting[0]
             # (a stale output is applied before the next schedule: with a batch queue
             # of two vLLM never has to skip a request for it)
             assert not r.stale
+            if max_loras and r.lora > 0 and len(loras) >= max_loras and r.lora not in loras:
+                skipped.append(waiting.popleft())  # its adapter would exceed max_loras
+                continue
             length = r.prompt + r.output
             # prefix caching: the cached run of its full blocks is not computed again
             hits = kv.lookup(r) if r.computed == 0 else ()
@@ -227,6 +240,8 @@ class ReferenceEngine:
                 break
             waiting.popleft()
             running.append(r)
+            if max_loras and r.lora > 0:
+                loras.add(r.lora)
             if hits:
                 kv.reuse(r, hits)
                 r.computed = c
@@ -234,6 +249,8 @@ class ReferenceEngine:
             kv.take(r, need, min(c + n, length))
             scheduled.append((r, n))
             budget -= n
+        waiting.extendleft(reversed(skipped))
+        rec.skipped = [r.id for r in skipped]
 
     def _execute(self, scheduled: list[tuple[Request, int]], rec: StepRecord) -> float:
         """The step's duration: the batch-time model of the composition (exact integer

@@ -15,13 +15,14 @@ run as plain Python: correct, slow.
 
 Layout (all int64 unless noted; request ``r`` is an index):
 
-* ``req``: shape (N, ``REQ_COLUMNS`` = 18), one row per request: ``PROMPT``, ``OUTPUT`` (tokens
+* ``req``: shape (N, ``REQ_COLUMNS`` = 19), one row per request: ``PROMPT``, ``OUTPUT`` (tokens
   produced so far), ``STOP`` (the output length it stops at), ``COMP`` (computed tokens),
   ``HELD`` (KV blocks held: the block ledger's column, :mod:`duetime.engine.kv_kernel`;
   with prefix caching the block pool's moves write it too), ``DONE``; for asynchronous
   scheduling ``PEND`` (placeholder tokens), ``INF`` (in flight in the previous step: 0 no, 1
   yes, 2 and samples), ``NINF`` (the same for this step), ``STALE`` (preempted with a token
-  in flight); for prefix caching ``BOFF`` .. ``B0OFF`` (below);
+  in flight); for prefix caching ``BOFF`` .. ``B0OFF`` (below); ``LORA``: its adapter (vLLM's
+  ``lora_int_id``, 0: the base model);
 * ``stamps`` (float64, (N, 2)): first-token and finish time (NaN until stamped);
 * ``run``: running order (first ``st[NRUN]`` entries); ``wq``: waiting queue, a ring buffer of
   size N with head ``st[WH]`` and length ``st[WC]`` (preempted requests are pushed at the front);
@@ -32,7 +33,8 @@ Layout (all int64 unless noted; request ``r`` is an index):
 * ``cfg``: budget, chunk cap (the long-prefill threshold, or the budget), max_num_seqs,
   max_model_len, block size, usable blocks, log2(block size) or -1 (see
   :mod:`duetime.engine.kv_kernel`), watermark blocks, full-sequence admission (0/1),
-  asynchronous scheduling (0/1) (prefix caching is not a flag: see the pool arguments below);
+  asynchronous scheduling (0/1), ``max_loras`` (0: LoRA off) (prefix caching is not a flag:
+  see the pool arguments below);
 * with prefix caching, the block pool (:mod:`duetime.engine.block_pool_kernel`): ``pool``,
   ``kmap`` and the arenas ``rb`` (each request's blocks, from column ``BOFF``) and ``rk`` (its
   known block keys, ``NKEY`` of them from column ``KOFF``); ``NCACHED``: its blocks registered
@@ -73,15 +75,20 @@ from duetime.engine.remaining import stop_length
 # req columns (HELD, 4, is the KV ledger's: kv_kernel; BOFF .. B0OFF: prefix caching's; module doc)
 PROMPT, OUTPUT, STOP, COMP, DONE, PEND, INF, NINF, STALE = 0, 1, 2, 3, 5, 6, 7, 8, 9
 BOFF, KOFF, NKEY, NCACHED, UID, BCAP, H0, B0OFF = 10, 11, 12, 13, 14, 15, 16, 17
-REQ_COLUMNS = 18
+LORA = 18
+REQ_COLUMNS = 19
 assert HELD == 4
 # st fields (module doc)
 K, FREE, NRUN, WH, WC, LONE, QUIET, NINFL, PQ, PH, NSEED = range(11)
 ST_SIZE = 11
 # cfg fields (SHIFT: log2(block_size) when it is a power of two, else -1)
-BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC = range(10)
+BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC, MAXLORAS = range(11)
+CFG_SIZE = 11
 # step()'s ``out``: see step()
-OUT_SIZE = 10
+OUT_SIZE = 12
+# step()'s ``work`` rows: finished rows, first tokens, skipped rows (max_loras), the step's
+# adapters (max_loras)
+WORK_ROWS = 4
 
 # step() results (>= 0: number of requests scheduled)
 STUCK = -1      # nothing can be scheduled now and nothing changed (without arrivals: forever)
@@ -101,14 +108,18 @@ DRAINED = 1     # waiting queue empty after admission and nothing preempted
 SEATS = 2       # running < max_num_seqs after admission
 PREEMPTED = 4
 NO_MODEL = 8    # nothing scheduled (asynchronously: a step that only applies outputs)
+TAIL = 16       # admission went through the whole queue (each request admitted or skipped)
+ADMITTED = 32   # admission admitted a request
 
 
 @njit(cache=True, nogil=True)
 def fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
-                w_out, w_pred, bs, shift, num_blocks, sigma, time):  # pragma: no cover - jit
+                w_out, w_pred, bs, shift, num_blocks, sigma, time, r_lora=None,
+                w_lora=None):  # pragma: no cover - jit
     """:func:`prepare`'s state written into given arrays with room for its ``n`` rows (a live
     forecaster's kept buffers); what lies past them is left as it was (the kernel reads rows
-    only through ``run`` and the ring ``wq``)."""
+    only through ``run`` and the ring ``wq``). ``r_lora`` / ``w_lora``: the adapters (None:
+    all on the base model)."""
     n_run = r_prompt.shape[0]
     n_wait = w_prompt.shape[0]
     n = n_run + n_wait + 1
@@ -125,11 +136,15 @@ def fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred
             req[i, INF] = 2
             ninfl += 1
         used += kv_take(req, i, kv_blocks(r_comp[i], bs, shift))
+        if r_lora is not None:
+            req[i, LORA] = r_lora[i]
         run[i] = i
     for i in range(n_wait):
         req[n_run + i, PROMPT] = w_prompt[i]
         req[n_run + i, OUTPUT] = w_out[i]
         req[n_run + i, STOP] = stop_length(w_pred[i], w_out[i], sigma)
+        if w_lora is not None:
+            req[n_run + i, LORA] = w_lora[i]
         wq[i] = n_run + i
     wq[n_wait] = n - 1
     stamps[:n] = np.nan
@@ -144,7 +159,7 @@ def fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred
 
 @njit(cache=True, nogil=True)
 def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift, num_blocks,
-            sigma, time):  # pragma: no cover - jit
+            sigma, time, r_lora=None, w_lora=None):  # pragma: no cover - jit
     """Replay state for a snapshot: running rows, then waiting rows, then one spare row (for a
     probe). Stop lengths come from the predictions (:func:`stop_length`); each running request
     holds the blocks of its computed tokens; one with all its tokens computed has its next
@@ -162,7 +177,7 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
     st = np.empty(ST_SIZE, dtype=np.int64)
     clock = np.empty(1)
     fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
-                w_out, w_pred, bs, shift, num_blocks, sigma, time)
+                w_out, w_pred, bs, shift, num_blocks, sigma, time, r_lora, w_lora)
     return req, stamps, run, wq, st, clock
 
 
@@ -186,22 +201,26 @@ def live_base(e_req, e_pred, e_run, e_wq, e_st, sigma, req, stamps, run, wq, st,
     r_comp = np.empty(nrun, dtype=np.int64)
     r_out = np.empty(nrun, dtype=np.int64)
     r_pred = np.empty(nrun, dtype=np.int64)
+    r_lora = np.empty(nrun, dtype=np.int64)
     for i in range(nrun):
         r = e_run[i]
         r_prompt[i] = e_req[r, PROMPT]
         r_comp[i] = e_req[r, COMP]
         r_out[i] = e_req[r, OUTPUT]
         r_pred[i] = e_pred[r]
+        r_lora[i] = e_req[r, LORA]
     w_prompt = np.empty(nw, dtype=np.int64)
     w_out = np.empty(nw, dtype=np.int64)
     w_pred = np.empty(nw, dtype=np.int64)
+    w_lora = np.empty(nw, dtype=np.int64)
     for i in range(nw):
         r = e_wq[(wh + i) % n_q]
         w_prompt[i] = e_req[r, PROMPT]
         w_out[i] = e_req[r, OUTPUT]
         w_pred[i] = e_pred[r]
+        w_lora[i] = e_req[r, LORA]
     fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
-                w_out, w_pred, cfg[BS], cfg[SHIFT], cfg[NBLOCKS], sigma, 0.0)
+                w_out, w_pred, cfg[BS], cfg[SHIFT], cfg[NBLOCKS], sigma, 0.0, r_lora, w_lora)
     if st[FREE] < 0:
         return FULL, -1, -1
     room[:] = 0
@@ -359,6 +378,48 @@ def requeue(req, v, wq, wh):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True, inline="always")
+def has_adapter(work, nl, mask, a):  # pragma: no cover - jit
+    """Whether adapter ``a`` is among the step's ``nl`` adapters (``work[3, :nl]``; those
+    below 63 also as bits of ``mask``: one test for the usual ids, where the list would cost
+    ``max_loras`` per scheduled request)."""
+    if a < 63:
+        return (mask >> a) & 1 == 1
+    found = False
+    for j in range(nl):
+        if work[3, j] == a:
+            found = True
+    return found
+
+
+@njit(cache=True, nogil=True, inline="always")
+def add_adapter(work, nl, mask, a):  # pragma: no cover - jit
+    """The step's adapters with ``a`` (> 0; 0, the base model, is none) added if new;
+    returns their count and mask."""
+    if a > 0 and not has_adapter(work, nl, mask, a):
+        work[3, nl] = a
+        nl += 1
+        if a < 63:
+            mask |= 1 << a
+    return nl, mask
+
+
+@njit(cache=True, nogil=True, inline="always")
+def list_adapters(work, nbig, mask):  # pragma: no cover - jit
+    """The running phase's adapters listed in ``work[3]``: the ids of 63 and more already
+    there (``nbig``), then those of ``mask``'s bits; returns their count."""
+    nl = nbig
+    m = mask
+    a = 0
+    while m != 0:
+        if m & 1:
+            work[3, nl] = a
+            nl += 1
+        m >>= 1
+        a += 1
+    return nl
+
+
+@njit(cache=True, nogil=True, inline="always")
 def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
                      undo):  # pragma: no cover - jit
     """Phase 1 (vLLM's ``schedule()``, "schedule the RUNNING requests"): each running request
@@ -366,9 +427,13 @@ def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
     the newest running request is preempted (maybe itself: then it is not scheduled and the
     phase ends). Asynchronously, a request whose token in flight is its last, or reaches
     ``max_model_len``, is left out. Writes ``out[0]`` (budget left) and ``out[7]``
-    (preemptions); returns (requests scheduled, terms, outs)."""
+    (preemptions) and ``out[10]``: with ``max_loras``, the distinct adapters of the requests
+    scheduled, listed in ``work[3]``; returns (requests scheduled, terms, outs)."""
     budget, bs, shift, max_len, asyn = cfg[BUDGET], cfg[BS], cfg[SHIFT], cfg[MAXLEN], cfg[ASYNC]
+    lora_on = cfg[MAXLORAS] > 0
     free, nrun, wh, wc = st[FREE], st[NRUN], st[WH], st[WC]
+    nl = 0
+    mask = 0
     terms = (0, 0, 0, 0, 0, 0, 0)
     outs = (0, 0, False)
     ns = 0
@@ -413,12 +478,19 @@ def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
                 register_blocks(req, r, pool, kmap, rb, rk, t, bs, undo)
         budget -= n
         ns += 1
+        if lora_on:  # (the usual ids as bits: no array written per request; bit 0, the
+            a = req[r, LORA]  # base model, is cleared after the loop)
+            if a < 63:
+                mask |= 1 << a
+            else:
+                nl, mask = add_adapter(work, nl, mask, a)
         terms = batch_terms(terms, c, n, length, outputs)
         if advance(req, r, c, n, length, pend, asyn):
             outs = sample(req, r, max_len, work, outs)
     st[FREE], st[NRUN], st[WH], st[WC] = free, nrun, wh, wc
     out[0] = budget
     out[7] = preempted
+    out[10] = list_adapters(work, nl, mask & ~1) if lora_on else 0
     return ns, terms, outs
 
 
@@ -430,18 +502,37 @@ def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, r
     chunk if the block ledger admits it (its whole sequence fits, with the watermark while
     others run); if not, admission stops: nobody behind it is admitted. With prefix caching, a
     request with nothing computed first looks up its cached prefix: only the rest is computed,
-    and a hit on a block nobody holds costs a free block. Takes the budget from ``out[0]``,
-    writes ``out[1]`` (budget left), ``out[8]`` / ``out[9]`` (prefix-cache queries and hits);
-    returns ``tally`` (requests scheduled, terms, outs) updated."""
+    and a hit on a block nobody holds costs a free block. With ``max_loras``, a request whose
+    adapter is not among the step's adapters (``work[3, :out[10]]``) when they are
+    ``max_loras`` already is skipped, before any lookup: it leaves the queue for the rest of
+    the phase (listed in ``work[2]``) and goes back to its front, in queue order, when the
+    phase ends. Takes the budget from ``out[0]``, writes ``out[1]`` (budget left),
+    ``out[8]`` / ``out[9]`` (prefix-cache queries and hits), ``out[10]`` (the step's
+    adapters), ``out[11]`` (1 if the phase went through the whole queue: each request
+    admitted or skipped); returns ``tally`` (requests scheduled, terms, outs) updated."""
     budget, bs, shift, max_len, asyn = out[0], cfg[BS], cfg[SHIFT], cfg[MAXLEN], cfg[ASYNC]
     max_seqs, wm, full, n_q = cfg[MAXSEQS], cfg[WM], cfg[FULLSEQ], wq.shape[0]
+    max_loras = cfg[MAXLORAS]
     free, nrun, wh, wc = st[FREE], st[NRUN], st[WH], st[WC]
     ns, terms, outs = tally
     queried = 0
     hit_tokens = 0
+    nl = out[10]
+    mask = 0
+    for j in range(nl):  # (the running phase's adapters)
+        if work[3, j] < 63:
+            mask |= 1 << work[3, j]
+    nskip = 0
     blocked = False  # the head was not admitted (a flag, not a ``break``: see above)
     while not blocked and wc > 0 and budget > 0 and nrun < max_seqs:
         r = wq[wh]
+        a = req[r, LORA] if max_loras > 0 else 0
+        if a > 0 and nl >= max_loras and not has_adapter(work, nl, mask, a):
+            work[2, nskip] = r  # its adapter would exceed max_loras: skipped
+            nskip += 1
+            wh = (wh + 1) % n_q
+            wc -= 1
+            continue
         c = req[r, COMP]
         pend = req[r, PEND] if asyn else 0
         outputs = req[r, OUTPUT] + pend
@@ -484,10 +575,18 @@ def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, r
                 register_blocks(req, r, pool, kmap, rb, rk, t, bs, undo)
         budget -= n
         ns += 1
+        if a > 0:
+            nl, mask = add_adapter(work, nl, mask, a)
         terms = batch_terms(terms, c, n, length, outputs)
         if advance(req, r, c, n, length, pend, asyn):
             outs = sample(req, r, max_len, work, outs)
+    out[11] = 1 if not blocked and wc == 0 else 0
+    for j in range(nskip - 1, -1, -1):  # the skipped go back to the front, in queue order
+        wh = wh - 1 if wh > 0 else n_q - 1
+        wq[wh] = work[2, j]
+        wc += 1
     st[FREE], st[NRUN], st[WH], st[WC] = free, nrun, wh, wc
+    out[10] = nl
     st[PQ] += queried
     st[PH] += hit_tokens
     out[1] = budget
@@ -497,12 +596,17 @@ def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, r
 
 
 @njit(cache=True, nogil=True, inline="always")
-def step_flags(st, cfg, preempted, ns):  # pragma: no cover - jit
-    """The flags a base replay records for the step (DRAINED, SEATS, PREEMPTED, NO_MODEL)."""
+def step_flags(st, cfg, preempted, ns, tail, admitted):  # pragma: no cover - jit
+    """The flags a base replay records for the step (DRAINED, SEATS, PREEMPTED, NO_MODEL,
+    TAIL, ADMITTED)."""
     waiting, seats = st[WC], st[NRUN] < cfg[MAXSEQS]
     flags = 0
+    if admitted:
+        flags |= ADMITTED
     if preempted == 0 and waiting == 0:
         flags |= DRAINED
+    if preempted == 0 and tail:
+        flags |= TAIL
     if seats:
         flags |= SEATS
     if preempted > 0:
@@ -630,11 +734,13 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     at once: no later decision in the step reads it again (preemption victims come from the
     unscheduled tail).
 
-    ``work``: int64 scratch (2, N); ``out`` (int64[OUT_SIZE]) gets [budget left after the
-    running phase, after admission, free blocks after allocation, flags, the waiting head (on
-    STUCK), first tokens, finished, preempted, prefix-cache queries and hits (tokens, of the
-    admitted requests that looked up)]; the rows that got their first token are
-    ``work[1, :out[5]]`` and those that finished ``work[0, :out[6]]``. Returns the number of
+    ``work``: int64 scratch (``WORK_ROWS``, N); ``out`` (int64[OUT_SIZE]) gets [budget left
+    after the running phase, after admission, free blocks after allocation, flags, the
+    waiting head (on STUCK), first tokens, finished, preempted, prefix-cache queries and hits
+    (tokens, of the admitted requests that looked up), the step's adapters (with
+    ``max_loras``: ``work[3, :out[10]]``), whether admission went through the whole queue];
+    the rows that got their first token are ``work[1, :out[5]]`` and those that finished
+    ``work[0, :out[6]]``. Returns the number of
     scheduled requests, or STUCK. ``noise`` > 0 multiplies the step's duration by a mean-one
     log-normal factor with that log-space spread (a simulated instance's "true" timing; drawn
     from the engine's own stream, see :func:`step_normal`). ``extra``: requests not in the
@@ -648,14 +754,15 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     cap = cfg[CAP] if st[NRUN] + st[WC] + extra > 1 else cfg[BUDGET]
     tally = schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk, undo)
     preempted = out[7]
+    ns_running = tally[0]
     if preempted == 0:
         tally = schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, rb,
                                  rk, undo)
     else:  # nobody is admitted in a step that preempted
-        out[1], out[8], out[9] = out[0], 0, 0
+        out[1], out[8], out[9], out[11] = out[0], 0, 0, 0
     ns, terms, outs = tally
     out[2] = st[FREE]
-    out[3] = step_flags(st, cfg, preempted, ns)
+    out[3] = step_flags(st, cfg, preempted, ns, out[11], ns > ns_running)
     if ns == 0 and preempted == 0 and st[NINFL] == 0:  # (without arrivals: stuck for ever)
         out[4] = wq[st[WH]] if st[WC] > 0 else -1
         out[5] = 0
@@ -693,7 +800,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
 def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, probe,
               until_finish, max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
-    work = np.empty((2, run.shape[0]), dtype=np.int64)
+    work = np.empty((WORK_ROWS, run.shape[0]), dtype=np.int64)
     out = np.zeros(OUT_SIZE, dtype=np.int64)
     col = 1 if until_finish else 0
     while np.isnan(stamps[probe, col]):
@@ -711,17 +818,21 @@ def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo,
 @njit(cache=True, nogil=True)
 def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, rec, cum,
              rec_t, n_rec, room, target, max_steps):  # pragma: no cover - jit
-    """Step and record until the probe room since the queue first drained reaches ``target``.
+    """Step and record until the probe room since admission first reached the queue's tail
+    reaches ``target``.
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
-    flags]``, ``rec_t[s]`` = its end time, and prefix sums ``cum[s + 1]`` (``cum[0]`` = 0) of
-    y = min(cap, budget left after the running phase) — the tokens a probe at the tail of the
-    running order could get —, of y², of the steps with y > 0 and of the steps that preempted
-    or ran no model.
-    ``room`` = [y summed from the first drained step on, 1 once drained, first drained step].
+    flags]`` — with ``max_loras``, then the number of the step's adapters and the adapters
+    (``rec`` has ``4 + max_loras`` columns) —, ``rec_t[s]`` = its end time, and prefix sums
+    ``cum[s + 1]`` (``cum[0]`` = 0) of y = min(cap, budget left after the running phase) — the
+    tokens a probe at the tail of the running order could get —, of y², of the steps with y >
+    0 and of the steps that preempted, ran no model or admitted a request (steps whose
+    admissions a probe running in them may change).
+    ``room`` = [y summed from the first step that went through the whole queue on (``TAIL``:
+    without ``max_loras`` the first that drained it), 1 once there, that step].
     Returns (code, recorded count, detail).
     """
-    work = np.empty((2, run.shape[0]), dtype=np.int64)
+    work = np.empty((WORK_ROWS, run.shape[0]), dtype=np.int64)
     out = np.zeros(OUT_SIZE, dtype=np.int64)
     cap = cfg[CAP]
     while True:
@@ -741,17 +852,46 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, 
         rec[n_rec, 0] = out[1]
         rec[n_rec, 1] = out[2]
         rec[n_rec, 2] = out[3]
+        if rec.shape[1] > 3:  # max_loras: the step's adapters
+            nl = out[10]
+            rec[n_rec, 3] = nl
+            for j in range(min(nl, rec.shape[1] - 4)):  # (more than max_loras: see Forecaster)
+                rec[n_rec, 4 + j] = work[3, j]
         rec_t[n_rec] = clock[0]
         cum[n_rec + 1, 0] = cum[n_rec, 0] + y
         cum[n_rec + 1, 1] = cum[n_rec, 1] + y * y
         cum[n_rec + 1, 2] = cum[n_rec, 2] + (1 if y > 0 else 0)
-        cum[n_rec + 1, 3] = cum[n_rec, 3] + (1 if out[3] & (PREEMPTED | NO_MODEL) else 0)
-        if room[1] == 0 and out[3] & DRAINED:
+        cum[n_rec + 1, 3] = cum[n_rec, 3] + (
+            1 if out[3] & (PREEMPTED | NO_MODEL | ADMITTED) else 0)
+        if room[1] == 0 and out[3] & TAIL:
             room[1] = 1
             room[2] = n_rec
         n_rec += 1
         if room[1] == 1:
             room[0] += y
+
+
+@njit(cache=True, nogil=True)
+def scan_admission(rec, s, n, lora, max_loras):  # pragma: no cover - jit
+    """The first recorded base step from ``s`` (up to ``n``) where a probe at the queue's
+    tail on adapter ``lora`` is reached with budget and a seat left (``TAIL``, ``SEATS``,
+    budget after admission > 0) and, with ``max_loras``, room for its adapter (the step's
+    adapters fewer than ``max_loras`` or including it; a step that ran more is returned too:
+    its record lists only the first); ``n`` if none. (Compiled: a probe on a cold adapter
+    may scan a thousand steps.)"""
+    need = TAIL | SEATS
+    while s < n:
+        if rec[s, 2] & need == need and rec[s, 0] > 0:
+            if max_loras == 0 or lora <= 0:
+                return s
+            nl = rec[s, 3]
+            if nl < max_loras or nl > max_loras:
+                return s
+            for j in range(nl):
+                if rec[s, 4 + j] == lora:
+                    return s
+        s += 1
+    return n
 
 
 @njit(cache=True, nogil=True)

@@ -25,7 +25,7 @@ from duetime.engine.prefix_json import block_keys, build_state, export_state
 from duetime.engine.prefix_state import PrefixState
 
 SNAPSHOT_VERSION = 1  # what to_dict writes without prefix caching; with it, version 2
-SNAPSHOT_VERSIONS = (1, 2)
+SNAPSHOT_VERSIONS = (1, 2, 3)  # 3: LoRA adapters (config.max_loras, a request's lora)
 
 
 class SnapshotError(ValueError):
@@ -42,23 +42,29 @@ class ResidentRequest:
     output_tokens: int
     predicted_output_tokens: int
     arrival: float = 0.0
+    lora: int = 0  # its LoRA adapter (vLLM's lora_int_id; 0: the base model)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "prompt_tokens": self.prompt_tokens,
-                "computed_tokens": self.computed_tokens, "output_tokens": self.output_tokens,
-                "predicted_output_tokens": self.predicted_output_tokens, "arrival": self.arrival}
+        out = {"id": self.id, "prompt_tokens": self.prompt_tokens,
+               "computed_tokens": self.computed_tokens, "output_tokens": self.output_tokens,
+               "predicted_output_tokens": self.predicted_output_tokens, "arrival": self.arrival}
+        if self.lora:
+            out["lora"] = self.lora
+        return out
 
 
 class RequestTable:
     """Resident requests column by column (numpy), the form the compiled replay starts from."""
 
-    __slots__ = ("_ids", "arrival", "computed", "output", "predicted", "prompt")
+    __slots__ = ("_ids", "arrival", "computed", "lora", "output", "predicted", "prompt")
 
     def __init__(self, ids: Sequence[str] | Callable[[], list[str]], prompt: Sequence[int],
                  computed: Sequence[int], output: Sequence[int], predicted: Sequence[int],
-                 arrival: Sequence[float] | None = None) -> None:
+                 arrival: Sequence[float] | None = None,
+                 lora: Sequence[int] | None = None) -> None:
         """``ids``: the ids, or a callable that makes them when first read (a forecast never
-        reads them: an engine's snapshot on the routing path skips building them)."""
+        reads them: an engine's snapshot on the routing path skips building them); ``lora``:
+        the adapters (None: every request on the base model)."""
         self._ids = ids if callable(ids) else list(ids)
         self.prompt = np.asarray(prompt, dtype=np.int64)
         self.computed = np.asarray(computed, dtype=np.int64)
@@ -68,6 +74,14 @@ class RequestTable:
                         else np.asarray(arrival, dtype=np.float64))
         if len(self.arrival) != len(self.prompt):
             raise ValueError("RequestTable: arrival and prompt differ in length")
+        self.lora = None if lora is None else np.asarray(lora, dtype=np.int64)
+        if self.lora is not None and len(self.lora) != len(self.prompt):
+            raise ValueError("RequestTable: lora and prompt differ in length")
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether some request is on an adapter."""
+        return self.lora is not None and bool(self.lora.any())
 
     @property
     def ids(self) -> list[str]:
@@ -77,17 +91,20 @@ class RequestTable:
 
     @classmethod
     def of(cls, requests: Sequence[ResidentRequest]) -> RequestTable:
+        lora = [r.lora for r in requests]
         return cls([r.id for r in requests], [r.prompt_tokens for r in requests],
                    [r.computed_tokens for r in requests], [r.output_tokens for r in requests],
-                   [r.predicted_output_tokens for r in requests], [r.arrival for r in requests])
+                   [r.predicted_output_tokens for r in requests], [r.arrival for r in requests],
+                   lora if any(lora) else None)
 
     def __len__(self) -> int:
         return len(self.prompt)
 
     def requests(self) -> tuple[ResidentRequest, ...]:
+        lora = self.lora.tolist() if self.lora is not None else [0] * len(self)
         return tuple(ResidentRequest(*row) for row in zip(
             self.ids, self.prompt.tolist(), self.computed.tolist(), self.output.tolist(),
-            self.predicted.tolist(), self.arrival.tolist(), strict=True))
+            self.predicted.tolist(), self.arrival.tolist(), lora, strict=True))
 
 
 # -- JSON schema (pydantic) ---------------------------------------------------------------------
@@ -109,6 +126,8 @@ class _ConfigIn(BaseModel):
     enable_chunked_prefill: Literal[True] = True
     prefix_caching: bool | None = None  # vLLM's other name for it
     enable_prefix_caching: bool = False
+    max_loras: int = Field(0, ge=0)  # version 3: vLLM's --max-loras (0: LoRA off)
+    enable_lora: bool | None = None  # vLLM's flag: true needs max_loras (its default is 1)
     policy: Literal["fcfs"] = "fcfs"
     scheduling_policy: Literal["fcfs"] = "fcfs"
     preemption_mode: Literal["recompute"] = "recompute"
@@ -117,6 +136,10 @@ class _ConfigIn(BaseModel):
         out = self.model_dump(include=set(SchedulerConfig.__dataclass_fields__))
         if self.prefix_caching is not None:
             out["enable_prefix_caching"] = self.prefix_caching or self.enable_prefix_caching
+        if self.enable_lora and not self.max_loras:
+            out["max_loras"] = 1  # vLLM's default with --enable-lora
+        elif self.enable_lora is False:
+            out["max_loras"] = 0
         return out
 
 
@@ -132,6 +155,7 @@ class _RequestIn(TypedDict):
     arrival: NotRequired[float]
     block_hashes: NotRequired[list[str | int]]  # version 2, with prefix caching
     block_ids: NotRequired[list[Annotated[int, Field(strict=True)]]]  # (running requests)
+    lora: NotRequired[Annotated[int, Field(ge=0, strict=True)]]  # version 3
 
 
 class _PrefixCacheIn(BaseModel):
@@ -175,7 +199,7 @@ def _prefix_state_in(s: _SnapshotIn, config: SchedulerConfig, running: RequestTa
         return None  # (the common case, polled many times a second: no scan of the requests)
     listed = s.prefix_cache is not None or any("block_hashes" in r or "block_ids" in r
                                                for r in (*s.running, *s.waiting))
-    if s.version == 1 and (config.enable_prefix_caching or listed):
+    if s.version == 1 and (config.enable_prefix_caching or listed):  # (2 and 3 have it)
         raise SnapshotError("snapshot.config.enable_prefix_caching: prefix caching "
                             "(block_hashes, block_ids, prefix_cache) needs a snapshot of "
                             "version 2")
@@ -266,7 +290,10 @@ class Snapshot:
             raise SnapshotError(_format_error(e)) from None
         if s.version not in SNAPSHOT_VERSIONS:
             raise SnapshotError(f"snapshot.version: unsupported version {s.version}; "
-                                f"this duetime reads versions 1 and 2")
+                                f"this duetime reads versions 1, 2 and 3")
+        if s.version < 3 and (s.config.max_loras or s.config.enable_lora):
+            raise SnapshotError("snapshot.config.max_loras: LoRA adapters need a snapshot of "
+                                "version 3")
         try:
             model = model_from_dict(s.batch_time.model_dump(), "snapshot.batch_time")
             config = SchedulerConfig(**s.config.limits())
@@ -279,12 +306,17 @@ class Snapshot:
                 if status is not None and status != where:
                     raise SnapshotError(f"snapshot.{where}[{i}].status: {status!r} request "
                                         f"listed under {where!r}")
+                if "lora" in r and s.version < 3:
+                    raise SnapshotError(f"snapshot.{where}[{i}].lora: LoRA adapters need a "
+                                        "snapshot of version 3")
+            lora = [r.get("lora", 0) for r in items] if s.version >= 3 else None
             return RequestTable([str(r["id"]) for r in items],
                                 [r["prompt_tokens"] for r in items],
                                 [r.get("computed_tokens", 0) for r in items],
                                 [r.get("output_tokens", 0) for r in items],
                                 [r["predicted_output_tokens"] for r in items],
-                                [r.get("arrival", 0.0) for r in items])
+                                [r.get("arrival", 0.0) for r in items],
+                                lora if lora and any(lora) else None)
 
         running, waiting = convert(s.running, "running"), convert(s.waiting, "waiting")
         prefix = _prefix_state_in(s, config, running, waiting)
@@ -370,7 +402,7 @@ class Snapshot:
         seconds (e.g. an instance's monotonic clock onto a router's)."""
         def shift(t: RequestTable) -> RequestTable:
             return RequestTable(t.ids, t.prompt, t.computed, t.output, t.predicted,
-                                t.arrival + dt)
+                                t.arrival + dt, t.lora)
         return Snapshot(self.config, self.model, time=self.time + dt,
                         running=shift(self.running_table), waiting=shift(self.waiting_table),
                         prefix=self.prefix)
@@ -386,8 +418,12 @@ class Snapshot:
         integers; see :mod:`duetime.engine.prefix_json`), by default when caching is on.
         ``version=1`` leaves the cache out of a caching snapshot (it is large: the free cached
         blocks of the whole cache): ``enable_prefix_caching`` then says false and
-        ``prefix_cache_omitted`` true, and a forecast from it prices no cache hit."""
+        ``prefix_cache_omitted`` true, and a forecast from it prices no cache hit. With LoRA
+        (``max_loras``, or a request on an adapter) it is version 3, which has everything
+        version 2 has (the cache with caching on) and the adapters."""
         config = self.config.to_dict()
+        lora = bool(self.config.max_loras) or self.running_table.has_lora or (
+            self.waiting_table.has_lora)
         caching = self.config.enable_prefix_caching and self.prefix is not None
         if caching and version == 1:
             config["enable_prefix_caching"] = False
@@ -408,6 +444,11 @@ class Snapshot:
             for r, b in zip(out["running"], ids, strict=True):
                 r["block_ids"] = b
             out["prefix_cache"] = cache
+        if lora:
+            if version in (1, 2):
+                raise SnapshotError(f"snapshot: version {version} cannot carry LoRA adapters "
+                                    "(version 3 does)")
+            out["version"] = 3
         return out
 
     def __repr__(self) -> str:
