@@ -75,6 +75,17 @@ def test_experiment_quick_writes_its_outputs(name, tmp_path, capsys) -> None:
         static = [r for r in rows if r["autoscaler"] == "static"]
         assert all(r["scale_events"] == "0" for r in static)
         assert set(summary["attainment"]) >= {"sfs/duetime", "load-aware/static"}
+    if name == "lora":
+        assert {r["router"] for r in rows} == {"sfs", "lora-affinity", "load-aware",
+                                                "round-robin"}
+        assert {(r["adapters"], r["max_loras"]) for r in rows} == {("8", "2"), ("64", "8")}
+        auc = summary["ontime_utility_auc"]
+        assert summary["sfs_gain_vs_lora_affinity"] == pytest.approx(
+            auc["sfs"] / auc["lora-affinity"] - 1)
+        # replaying the cap beats the adapter scorer; routing blind to adapters is far worse
+        assert auc["sfs"] > auc["lora-affinity"] > auc["round-robin"]
+        assert isinstance(summary["sfs_p90_no_worse_where_both_on_time"], bool)
+        assert set(summary["by_setting"]["8 adapters, max_loras 2"]["p90_ttft_s"]) == set(auc)
     if name == "scale":
         sizes = {"3", "30", "90"}
         for load in ("0.7", "0.9"):

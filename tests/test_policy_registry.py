@@ -28,7 +28,8 @@ from duetime.sim import ClusterSim
 from duetime.workload import load_workload, sample_requests
 
 ALL = ("round-robin", "shortest-queue", "load-aware", "latency-agnostic", "sfs", "sfs-soft",
-       "throughput", "lps", "session-affinity", "laar", "ttca", "prefix-load", "cache-aware")
+       "throughput", "lps", "session-affinity", "laar", "ttca", "prefix-load", "cache-aware",
+       "lora-affinity")
 
 
 def test_every_policy_is_registered_with_its_declarations():
@@ -44,6 +45,7 @@ def test_every_policy_is_registered_with_its_declarations():
     assert consumes("laar") >= {"success"} and "quality" not in consumes("laar")
     assert "stats" in consumes("lps")
     assert consumes("cache-aware") == consumes("prefix-load") == {"load", "prefix_cache"}
+    assert consumes("lora-affinity") == {"load", "lora_adapters"}
 
 
 def test_parameters_are_typed_defaulted_and_checked():

@@ -3,11 +3,12 @@
 | endpoint | what |
 |---|---|
 | ``POST /v1/completions``, ``POST /v1/chat/completions`` | SSE streaming (``data: {...}`` chunks, ``data: [DONE]``; behind an emulated API server, the tokens that reach a stream together share one chunk, as vLLM merges them; ``stream_options.continuous_usage_stats`` puts the tokens so far in every chunk) or one JSON body; ``max_tokens`` caps the output |
-| ``GET /v1/models`` | the one served model |
+| ``GET /v1/models`` | the served model, then each LoRA adapter (``root``: its path, ``parent``: its base model) |
 | ``POST /tokenize`` | ``{"count", "max_model_len", "tokens"}`` from the documented estimate (tokens are placeholders: one id per 4 characters, the same for the same characters) |
 | ``GET /health`` | 200, or 503 when marked unhealthy |
 | ``GET /metrics`` | Prometheus text with vLLM's metric names |
-| ``GET /snapshot`` | the engine's snapshot JSON (``docs/engine.md``, "Snapshots"; version 2, with the prefix cache, while prefix caching is on); header ``x-duetime-clock`` = the emulator's clock when it was taken |
+| ``GET /snapshot`` | the engine's snapshot JSON (``docs/engine.md``, "Snapshots"; ``?version=2``: with the prefix cache while prefix caching is on; version 3 with LoRA); header ``x-duetime-clock`` = the emulator's clock when it was taken |
+| ``POST /v1/load_lora_adapter``, ``POST /v1/unload_lora_adapter`` | vLLM's runtime LoRA updates, only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` (or ``allow_runtime_lora_updating``) |
 | ``GET/POST /emulator/faults`` | read / set failure injection ``{"rate", "kinds", "healthy"}`` (tests) |
 | ``GET/POST /emulator/speed`` | read / set the speed ``{"speed": X}`` from the next step on (a drifting server, tests) |
 
@@ -22,6 +23,10 @@ forces that failure for one request (tests).
 Prefix caching (on unless turned off): each request's prompt is keyed block by block
 (:mod:`duetime.web.prefix_keys`: token ids exactly, text 64 characters per 16-token block),
 so identical prefixes share cached blocks as in vLLM.
+
+LoRA (the emulator made with ``max_loras``): a request whose ``model`` names a loaded adapter
+runs on it (answers name it as their model, as vLLM's do); any other name but the served
+model's is a 404.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,10 +44,17 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from duetime.emulator.core import BREAK_AFTER, FAULT_KINDS, Emulator, EmuRequest, Faults
+from duetime.emulator.core import (
+    BREAK_AFTER,
+    FAULT_KINDS,
+    AdapterError,
+    Emulator,
+    EmuRequest,
+    Faults,
+)
 from duetime.web.access import bearer, same_secret
 from duetime.web.asgi import (
     CompletionEndpoint,
@@ -60,6 +73,7 @@ from duetime.web.sse import DONE, SSE_HEADERS
 from duetime.web.tokens import CHARS_PER_TOKEN
 
 TOKEN_TEXT = "tok "
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch of the two LoRA routes
 PLACEHOLDER_VOCAB = 151_643  # /tokenize's placeholder ids are below this (Qwen3's vocabulary)
 
 
@@ -178,7 +192,8 @@ class Completions:
             req = parse_completion(raw, chat=self.chat)
             if not emu.faults.healthy:
                 raise ApiError(503, "the engine is unhealthy (emulated)")
-            if req.model is not None and req.model != emu.model_name:
+            served, adapter = emu.resolve(req.model)
+            if not served:
                 raise ApiError(404, f"The model `{req.model}` does not exist.", param="model",
                                code="model_not_found")
             why = emu.check(req.prompt_tokens, req.max_tokens)
@@ -203,7 +218,8 @@ class Completions:
             raise InjectedDisconnect("injected disconnect (emulator)")
         hashes = prompt_block_keys(req, emu.config.block_size) if emu.caching else ()
         r = emu.submit(req.prompt_tokens, max_tokens=req.max_tokens, ignore_eos=req.ignore_eos,
-                       request_id=header(scope, b"x-request-id"), hashes=hashes)
+                       request_id=header(scope, b"x-request-id"), hashes=hashes,
+                       adapter=adapter)
         try:
             if req.stream:
                 await self._stream(r, req, send, broken=fault == "break")
@@ -216,12 +232,16 @@ class Completions:
     def _ids(self, r: EmuRequest) -> tuple[str, int]:
         return (f"chatcmpl-{r.id}" if self.chat else f"cmpl-{r.id}"), int(time.time())
 
+    def _model(self, r: EmuRequest) -> str:
+        """The answer's ``model``: the adapter's name for a request on one, as vLLM's."""
+        return r.lora or self.emu.model_name
+
     async def _stream(self, r: EmuRequest, req: CompletionRequest, send: Send, *,
                       broken: bool = False) -> None:
         """Stream ``r`` as it is produced (``broken``: drop the connection after
         ``BREAK_AFTER`` tokens, or before ``[DONE]``)."""
         cid, created = self._ids(r)
-        chunks = _Chunks(self.chat, cid, self.emu.model_name, created)
+        chunks = _Chunks(self.chat, cid, self._model(r), created)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*SSE_HEADERS, (b"x-request-id", r.id.encode())]})
         sent = 0
@@ -280,7 +300,7 @@ class Completions:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": r.finish_reason, "stop_reason": None}
             obj = "text_completion"
-        body = {"id": cid, "object": obj, "created": created, "model": self.emu.model_name,
+        body = {"id": cid, "object": obj, "created": created, "model": self._model(r),
                 "choices": [choice], "usage": _usage(r.prompt_tokens, r.produced)}
         await send_json(send, 200, json.dumps(body, separators=(",", ":")).encode(),
                         [(b"x-request-id", r.id.encode())])
@@ -288,6 +308,71 @@ class Completions:
 
 def _error(e: ApiError) -> Response:
     return Response(e.encode(), status_code=e.status, media_type="application/json")
+
+
+def _lora_error(e: AdapterError) -> Response:
+    """vLLM's error body for a refused LoRA load or unload (its ``code`` is the status)."""
+    return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": None,
+                                   "code": e.status}}, status_code=e.status)
+
+
+def runtime_lora_allowed() -> bool:
+    """vLLM's reading of ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: "1" or "true"."""
+    return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+
+
+async def _lora_body(request: Request, fields: dict[str, type]) -> dict[str, Any]:
+    """A LoRA route's JSON body with ``fields`` of those types (a wrong one: vLLM's 400)."""
+    try:
+        d = parse_json(await request.body())
+    except ApiError as e:
+        raise AdapterError(400, "BadRequestError", e.message) from None
+    if not isinstance(d, dict):
+        raise AdapterError(400, "BadRequestError", "body must be a JSON object")
+    for name, kind in fields.items():
+        if name in d and d[name] is not None and not isinstance(d[name], kind):
+            raise AdapterError(400, "BadRequestError",
+                               f"{name}: must be of type {kind.__name__}")
+    return d
+
+
+def _lora_routes(emu: Emulator) -> list[Route]:
+    """vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: plain-text success,
+    an error body otherwise."""
+    async def load(request: Request) -> Response:
+        try:
+            d = await _lora_body(request, {"lora_name": str, "lora_path": str,
+                                           "load_inplace": bool})
+            a = emu.load_adapter(d.get("lora_name") or "", d.get("lora_path") or "",
+                                 inplace=bool(d.get("load_inplace")))
+        except AdapterError as e:
+            return _lora_error(e)
+        return PlainTextResponse(f"Success: LoRA adapter '{a.name}' added successfully.")
+
+    async def unload(request: Request) -> Response:
+        try:
+            d = await _lora_body(request, {"lora_name": str, "lora_int_id": int})
+            a = emu.unload_adapter(d.get("lora_name") or "")
+        except AdapterError as e:
+            return _lora_error(e)
+        return PlainTextResponse(f"Success: LoRA adapter '{a.name}' removed successfully.")
+
+    return [Route("/v1/load_lora_adapter", load, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", unload, methods=["POST"])]
+
+
+def _model_cards(emu: Emulator) -> list[dict[str, Any]]:
+    """``/v1/models``' entries: the served model, then each adapter as vLLM lists it (its
+    path as ``root``, its base model as ``parent``)."""
+    created = int(time.time())
+    cards = [{"id": emu.model_name, "object": "model", "created": created,
+              "owned_by": "duetime-emulator", "root": emu.model_name, "parent": None,
+              "max_model_len": emu.config.max_model_len}]
+    for a in emu.adapters or ():
+        cards.append({"id": a.name, "object": "model", "created": created,
+                      "owned_by": "duetime-emulator", "root": a.path,
+                      "parent": a.base_model_name or emu.model_name, "max_model_len": None})
+    return cards
 
 
 def _control_guard(admin_token: str | None, control_open: bool) -> Any:
@@ -310,17 +395,19 @@ def _control_guard(admin_token: str | None, control_open: bool) -> Any:
 
 
 def create_app(emu: Emulator, *, admin_token: str | None = None,
-               control_open: bool = True) -> FastRoutes:
+               control_open: bool = True,
+               allow_runtime_lora_updating: bool | None = None) -> FastRoutes:
     """The emulator's ASGI app (the engine's driver starts with the first request).
     ``admin_token``: the bearer token its control routes (``/emulator/*``) need;
-    ``control_open=False`` without a token closes them."""
+    ``control_open=False`` without a token closes them. ``allow_runtime_lora_updating``
+    (None: ``$VLLM_ALLOW_RUNTIME_LORA_UPDATING``, as vLLM reads it at start): serve the LoRA
+    load and unload routes (absent otherwise, as in vLLM)."""
     guard = _control_guard(admin_token, control_open)
+    if allow_runtime_lora_updating is None:
+        allow_runtime_lora_updating = runtime_lora_allowed()
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": emu.model_name, "object": "model", "created": int(time.time()),
-             "owned_by": "duetime-emulator", "root": emu.model_name,
-             "max_model_len": emu.config.max_model_len}]})
+        return JSONResponse({"object": "list", "data": _model_cards(emu)})
 
     async def tokenize(request: Request) -> Response:
         raw = await request.body()
@@ -342,8 +429,9 @@ def create_app(emu: Emulator, *, admin_token: str | None = None,
         clock = time.monotonic()
         # version 1 unless asked: with prefix caching, version 2 lists the whole cache (most
         # of a megabyte, tens of ms to parse at every 50 ms poll; docs/gateway.md)
-        version = 2 if request.query_params.get("version") == "2" else 1
-        body = json.dumps(emu.snapshot().to_dict(version), separators=(",", ":"))
+        # (with LoRA, either form is of version 3; ?version=3 asks for the full one too)
+        full = request.query_params.get("version") in ("2", "3")
+        body = json.dumps(emu.snapshot_dict(full=full), separators=(",", ":"))
         return Response(body, media_type="application/json",
                         headers={"x-duetime-clock": repr(clock)})
 
@@ -406,6 +494,8 @@ def create_app(emu: Emulator, *, admin_token: str | None = None,
         Route("/emulator/speed", speed, methods=["GET", "POST"]),
         Route("/version", version, methods=["GET"]),
     ]
+    if allow_runtime_lora_updating:
+        routes += _lora_routes(emu)
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=exception_handlers())
     app.state.emulator = emu
     return FastRoutes(app, {"/v1/chat/completions": chat, "/v1/completions": completions})

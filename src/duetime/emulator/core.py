@@ -19,21 +19,33 @@ blocks (:mod:`duetime.web.prefix_keys`; its output blocks get the engine's own k
 the emulator's output is filler), and a prompt that starts like one still cached computes only
 the rest. ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` count the tokens looked
 up and found, as vLLM's scheduler stats do, when each step ends.
+
+LoRA adapters (``max_loras`` > 0: vLLM's ``--enable-lora --max-loras K``): :class:`Adapters`
+names them and numbers them 1, 2, 3… in load order (vLLM's ``lora_int_id``, never reused); a
+request on one runs with that id in the engine, which runs at most ``max_loras`` distinct
+adapters per step, and its block keys carry the adapter's name (:meth:`Adapter.keyed`), so a
+prompt cached under one adapter misses under another and under the base model, as vLLM's
+block hashes do. ``vllm:lora_requests_info`` names the adapters running and waiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
+import json
 import logging
 import math
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from duetime.engine import BatchTimeModel, Engine, EngineStuck, SchedulerConfig, Snapshot
 from duetime.engine.frontend import Frontend, FrontendModel
@@ -76,15 +88,151 @@ class Faults:
                              f"{', '.join(self.kinds) or 'none'}")
 
 
+@dataclass(frozen=True, slots=True)
+class LoraModule:
+    """One ``--lora-modules`` item: vLLM's ``LoRAModulePath`` (the path is only recorded: the
+    emulator reads no weights)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoraModule:
+    """``name=path``, or a JSON object ``{"name", "path", "base_model_name"?}``, as vLLM's
+    ``--lora-modules`` takes them (its rule: ``=`` and no comma is the old form)."""
+    if "=" in text and "," not in text:
+        name, _, path = text.partition("=")
+        if not name or not path or "=" in path:
+            raise ValueError(f"expected name=path, got {text!r}")
+        return LoraModule(name, path)
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"invalid JSON format: {text}") from None
+    if not isinstance(d, dict) or set(d) - {"name", "path", "base_model_name"}:
+        raise ValueError(f'expected {{"name", "path", "base_model_name"?}}, got {text}')
+    name, path, base = d.get("name"), d.get("path"), d.get("base_model_name")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path or (
+            base is not None and not isinstance(base, str)):
+        raise ValueError(f'"name" and "path" must be non-empty strings, got {text}')
+    return LoraModule(name, path, base)
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A loaded LoRA adapter: vLLM's ``LoRARequest`` as the emulator keeps it."""
+
+    name: str
+    id: int  # vLLM's lora_int_id: 1, 2, 3… in load order
+    path: str
+    base_model_name: str | None = None
+    seed: bytes = field(default=b"", repr=False)  # the name's hash, mixed into block keys
+
+    def keyed(self, keys: Sequence[int]) -> list[int]:
+        """``keys`` with this adapter in each: vLLM puts the adapter's name in every block
+        hash, so its cached blocks are nobody else's. A key already depends on every block
+        up to it, so hashing each one with the name keeps the prefix property (same adapter,
+        same prefix: same keys) and sets adapters apart (signed int64, as the engine's)."""
+        seed = self.seed
+        return [int.from_bytes(hashlib.blake2b(seed + k.to_bytes(8, "little", signed=True),
+                                               digest_size=8).digest(), "little", signed=True)
+                for k in keys]
+
+
+class AdapterError(ValueError):
+    """A refused load or unload, with vLLM's status and error type."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+class Adapters:
+    """vLLM's registry of LoRA adapters by name (its ``OpenAIServingModels.lora_requests``):
+    ids count from 1 and are never reused (a load in place gets a new one). Unloading only
+    forgets the name: requests already on the adapter run on, as in vLLM."""
+
+    def __init__(self, max_loras: int, max_cpu_loras: int | None = None) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        cpu = max_loras if max_cpu_loras is None else max_cpu_loras
+        if cpu < max_loras:
+            raise ValueError(f"max_cpu_loras ({cpu}) must be >= max_loras ({max_loras})")
+        self.max_loras, self.max_cpu_loras = max_loras, cpu
+        self._by_name: dict[str, Adapter] = {}
+        self._ids = itertools.count(1)
+
+    def __iter__(self) -> Iterator[Adapter]:
+        return iter(list(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str | None) -> Adapter | None:
+        return None if name is None else self._by_name.get(name)
+
+    def load(self, name: str, path: str, base_model_name: str | None = None, *,
+             inplace: bool = False) -> Adapter:
+        """Register ``name`` (vLLM's ``load_lora_adapter`` checks and messages)."""
+        if not name or not path:
+            raise AdapterError(400, "InvalidUserInput",
+                               "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self._by_name and not inplace:
+            raise AdapterError(400, "InvalidUserInput",
+                               f"The lora adapter '{name}' has already been loaded. If you "
+                               "want to load the adapter in place, set 'load_inplace' to True.")
+        seed = hashlib.blake2b(b"lora\x00" + name.encode(), digest_size=8).digest()
+        adapter = Adapter(name, next(self._ids), path, base_model_name, seed)
+        self._by_name[name] = adapter
+        return adapter
+
+    def unload(self, name: str) -> Adapter:
+        """Forget ``name`` (vLLM's ``unload_lora_adapter`` checks and messages)."""
+        if not name:
+            raise AdapterError(400, "InvalidUserInput",
+                               "'lora_name' needs to be provided to unload a LoRA adapter.")
+        adapter = self._by_name.pop(name, None)
+        if adapter is None:
+            raise AdapterError(404, "NotFoundError",
+                               f"The lora adapter '{name}' cannot be found.")
+        return adapter
+
+
+class _LoraInfo(Collector):
+    """vLLM's ``vllm:lora_requests_info`` gauge: labels ``max_lora``, ``waiting_lora_adapters``
+    and ``running_lora_adapters`` (the adapters' names, each once, in order of first
+    appearance), value the Unix time (vLLM's ``set_to_current_time()`` at each logging
+    interval). vLLM keeps every label set it ever set; this exports only the current one,
+    stamped at the scrape: what a scraper taking the series with the newest value reads."""
+
+    def __init__(self, emu: Emulator) -> None:
+        self.emu = emu
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        emu = self.emu
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters",
+                                      "running_lora_adapters"])
+        running, waiting = emu.lora_names()
+        g.add_metric([str(emu.config.max_loras), ",".join(waiting), ",".join(running)],
+                     time.time())
+        yield g
+
+
 class EmuRequest:
-    """One request in the emulator: how far it got, and an event set when that changes."""
+    """One request in the emulator: how far it got, and an event set when that changes;
+    ``lora``: its adapter's name and ``lora_id`` its id (None and 0: the base model)."""
 
     __slots__ = ("aborted", "arrival", "done", "event", "finish_reason", "finish_time",
-                 "first_token_time", "id", "produced", "prompt_tokens", "stop")
+                 "first_token_time", "id", "lora", "lora_id", "produced", "prompt_tokens",
+                 "stop")
 
     def __init__(self, rid: str, prompt_tokens: int, stop: int, finish_reason: str,
-                 arrival: float) -> None:
+                 arrival: float, adapter: Adapter | None = None) -> None:
         self.id = rid
+        self.lora = None if adapter is None else adapter.name
+        self.lora_id = 0 if adapter is None else adapter.id
         self.prompt_tokens = prompt_tokens
         self.stop = stop
         self.finish_reason = finish_reason
@@ -104,19 +252,29 @@ class Emulator:
                  speed: float = 1.0, seed: int = 0, output_median: float = 200.0,
                  output_sigma: float = 0.6, faults: Faults | None = None,
                  enable_prefix_caching: bool = True,
-                 frontend: FrontendModel | None = None) -> None:
+                 frontend: FrontendModel | None = None, max_loras: int = 0,
+                 max_cpu_loras: int | None = None,
+                 lora_modules: Sequence[LoraModule] = ()) -> None:
         """``enable_prefix_caching`` (vLLM's default, on) replaces the config's own flag (the
         built-in profiles leave it off, the engine's default). ``frontend``: an API server in
         front of the engine (:mod:`duetime.engine.frontend`): a request reaches the engine
         once the server has done the work queued ahead of it and its own, and each token
         reaches its stream once the server has sent it (the engine does not wait); the
-        engine-side histograms stay the engine's, as vLLM's are."""
+        engine-side histograms stay the engine's, as vLLM's are. ``max_loras`` > 0: LoRA on
+        (vLLM's ``--enable-lora --max-loras``), ``lora_modules`` loaded in order (ids 1, 2…);
+        ``max_cpu_loras`` (default ``max_loras``, not less) is only recorded."""
         if not speed > 0 or not math.isfinite(speed):
             raise ValueError(f"speed must be a positive number, got {speed}")
+        if lora_modules and not max_loras:
+            raise ValueError("LoRA modules need LoRA enabled (max_loras >= 1)")
         self.model_name = model_name
         self.speed = speed
         self._base_model = model
-        config = replace(config, enable_prefix_caching=bool(enable_prefix_caching))
+        self.adapters = Adapters(max_loras, max_cpu_loras) if max_loras else None
+        for m in lora_modules:
+            self.load_adapter(m.name, m.path, m.base_model_name)
+        config = replace(config, enable_prefix_caching=bool(enable_prefix_caching),
+                         max_loras=max_loras)
         self.config = config
         self.model = model.scaled(speed)
         self.output_median = output_median
@@ -182,6 +340,8 @@ class Emulator:
                 "enable_prefix_caching": str(cfg.enable_prefix_caching), "engine": "0"}
         Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
               list(info), registry=r).labels(**info).set(1)
+        if self.adapters is not None:
+            r.register(_LoraInfo(self))
 
     def kv_usage(self) -> float:
         """vLLM's ``kv_cache_usage_perc``: cached blocks nobody holds count as free."""
@@ -191,6 +351,44 @@ class Emulator:
     def caching(self) -> bool:
         """Whether prefix caching is on (requests then bring their block keys)."""
         return self.config.enable_prefix_caching
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The names ``vllm:lora_requests_info`` lists as running and as waiting: in vLLM
+        0.32 both are every adapter with a live request (its ``LoRARequestStates`` fills the
+        two dicts from one, running and waiting counts per adapter, zeros included), in the
+        order their first live request arrived."""
+        out: dict[str, None] = {}
+        for req in self._active.values():
+            if req.lora is not None and not req.done:
+                out.setdefault(req.lora)
+        names = list(out)
+        return names, list(names)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str, base_model_name: str | None = None, *,
+                     inplace: bool = False) -> Adapter:
+        """Load an adapter (vLLM's ``/v1/load_lora_adapter``); AdapterError when refused."""
+        if self.adapters is None:
+            raise AdapterError(400, "BadRequestError",
+                               "LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        return self.adapters.load(name, path, base_model_name, inplace=inplace)
+
+    def unload_adapter(self, name: str) -> Adapter:
+        """Unload an adapter (vLLM's ``/v1/unload_lora_adapter``); AdapterError when refused."""
+        if self.adapters is None:
+            raise AdapterError(400, "BadRequestError",
+                               "LoRA is not enabled. Use --enable-lora to enable LoRA.")
+        return self.adapters.unload(name)
+
+    def resolve(self, model: str | None) -> tuple[bool, Adapter | None]:
+        """What a request's ``model`` names: (served, adapter) — the base model (True, None),
+        an adapter (True, it), or nothing served here (False, None). The base name wins over
+        an adapter of the same name, as in vLLM."""
+        if model is None or model == self.model_name:
+            return True, None
+        adapter = None if self.adapters is None else self.adapters.get(model)
+        return adapter is not None, adapter
 
     def _count_cache(self) -> None:
         """Add the engine's new prefix-cache lookups to the counters (at a step's end)."""
@@ -233,10 +431,13 @@ class Emulator:
 
     def submit(self, prompt_tokens: int, *, max_tokens: int | None = None,
                ignore_eos: bool = False, request_id: str | None = None,
-               hashes: Sequence[int] = ()) -> EmuRequest:
+               hashes: Sequence[int] = (), adapter: Adapter | None = None) -> EmuRequest:
         """Queue a request (joins at the next step boundary); its id is ``request_id`` when
         given and not in use, else a fresh one. ``hashes``: the keys of its prompt's full
-        blocks (:func:`duetime.web.prefix_keys.prompt_block_keys`), for prefix caching."""
+        blocks (:func:`duetime.web.prefix_keys.prompt_block_keys`), for prefix caching;
+        ``adapter``: the LoRA adapter it runs on (its name goes into those keys)."""
+        if adapter is not None and self.adapters is None:
+            raise ValueError("a request on a LoRA adapter needs LoRA enabled")
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._drive(), name=f"emulator:{self.model_name}")
@@ -245,7 +446,9 @@ class Emulator:
             rid = f"emu-{next(self._ids)}"
         stop, reason = self.draw_output(max_tokens, ignore_eos, prompt_tokens)
         now = time.monotonic()
-        req = EmuRequest(rid, prompt_tokens, stop, reason, now)
+        req = EmuRequest(rid, prompt_tokens, stop, reason, now, adapter)
+        if adapter is not None and hashes:
+            hashes = adapter.keyed(hashes)
         self._active[rid] = req
         self.m_prompt.inc(prompt_tokens)
         reach = now if self.frontend is None else self.frontend.admit(rid, now)
@@ -265,7 +468,8 @@ class Emulator:
         now = time.monotonic()
         if self.engine.idle:
             self.engine.set_clock(now)
-        self.engine.add(rid, req.prompt_tokens, req.stop, arrival=now, hashes=hashes)
+        self.engine.add(rid, req.prompt_tokens, req.stop, arrival=now, hashes=hashes,
+                        lora=req.lora_id)
         self._wake.set()
 
     def set_speed(self, speed: float) -> None:
@@ -299,6 +503,22 @@ class Emulator:
         if self.engine.idle:
             self.engine.set_clock(time.monotonic())
         return self.engine.snapshot()
+
+    def snapshot_dict(self, *, full: bool = False) -> dict[str, Any]:
+        """The snapshot's JSON form: light (version 1: the prefix cache left out) or ``full``
+        (version 2 with the cache while caching is on). With LoRA it is of version 3 (the
+        adapters: ``config.max_loras``, each request's ``lora``), and the light form then
+        leaves the cache out as version 1 does (``enable_prefix_caching`` false,
+        ``prefix_cache_omitted`` true)."""
+        snap = self.snapshot()
+        if not self.config.max_loras:
+            return snap.to_dict(2 if full else 1)
+        if full or not self.caching:
+            return snap.to_dict(3)
+        light = Snapshot(replace(snap.config, enable_prefix_caching=False), snap.model,
+                         time=snap.time, running=snap.running_table,
+                         waiting=snap.waiting_table)
+        return {**light.to_dict(3), "prefix_cache_omitted": True}
 
     async def close(self) -> None:
         """Stop the driver; requests still in flight end as aborted."""

@@ -256,6 +256,15 @@ class Engine:
                 "first_token": None if first != first else first,
                 "finish_time": None if fin != fin else fin}
 
+    def live_adapters(self) -> frozenset[int]:
+        """The LoRA adapters of the resident requests, running or waiting (what vLLM's
+        ``vllm:lora_requests_info`` lists, by id)."""
+        if not self.lora_seen:
+            return frozenset()
+        rows = np.concatenate((self._run[:int(self._st[kn.NRUN])], self._waiting_rows()))
+        ids = np.unique(self._req[rows, kn.LORA])
+        return frozenset(ids[ids > 0].tolist())
+
     def _columns(self, rows: np.ndarray) -> RequestColumns:
         req, ids = self._req, self._ids
         return RequestColumns([ids[r] for r in rows.tolist()], req[rows, kn.PROMPT],

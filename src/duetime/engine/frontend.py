@@ -176,12 +176,13 @@ class FrontedEngine:
         return min(t, self._outputs[0][0]) if self._outputs else t
 
     def submit(self, rid: str, prompt: int, output: int, t: float, *,
-               predicted: int | None = None, hashes: Sequence[int] = ()) -> None:
-        """A request sent at ``t`` (after :meth:`advance` to ``t``)."""
+               predicted: int | None = None, hashes: Sequence[int] = (),
+               lora: int = 0) -> None:
+        """A request sent at ``t`` (after :meth:`advance` to ``t``; ``lora``: its adapter)."""
         reach = self.frontend.admit(rid, t)
         self._seq += 1
         heapq.heappush(self._handing, (reach, self._seq, rid, prompt, output, predicted,
-                                       hashes))
+                                       hashes, lora))
 
     def advance(self, t: float) -> None:
         """Step until the clock is at ``t`` (the last step may end after it), handing requests
@@ -197,9 +198,9 @@ class FrontedEngine:
             elif eng.time >= t:
                 break
             while handing and handing[0][0] <= eng.time:
-                reach, _, rid, prompt, output, predicted, hashes = heapq.heappop(handing)
+                reach, _, rid, prompt, output, predicted, hashes, lora = heapq.heappop(handing)
                 eng.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=reach,
-                        hashes=hashes)
+                        hashes=hashes, lora=lora)
             ev = eng.step(tokens=True)
             if ev is not None:
                 self._outputs.append((ev.outputs_at, ev.tokens, ev.finished_ids))
@@ -220,9 +221,9 @@ class FrontedEngine:
                 eng.set_clock(max(eng.time, handing[0][0]))
             elif handing[0][0] > eng.time:
                 break
-            reach, _, rid, prompt, output, predicted, hashes = heapq.heappop(handing)
+            reach, _, rid, prompt, output, predicted, hashes, lora = heapq.heappop(handing)
             eng.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=reach,
-                    hashes=hashes)
+                    hashes=hashes, lora=lora)
 
     def next_event(self) -> list[tuple[str, float]]:
         """Do the next thing due (:meth:`busy_until`: a hand-off, a step, outputs to send)

@@ -112,10 +112,17 @@ class Estimator(Protocol):
     name: str
 
     def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
-             hashes: PromptHashes | None = None) -> float:
+             hashes: PromptHashes | None = None, lora: int = 0) -> float:
         """``hashes``: the request's prompt block keys for a block size (with prefix caching,
-        an estimator that replays the cache uses them; the others ignore them)."""
+        an estimator that replays the cache uses them; the others ignore them). ``lora``: the
+        request's adapter (an estimator that replays the ``max_loras`` cap uses it)."""
         ...
+
+
+def lora_kw(lora: int) -> dict[str, int]:
+    """``{"lora": lora}`` for a request on an adapter, else nothing: an estimator written
+    before adapters (without the keyword) still serves base-model requests."""
+    return {"lora": lora} if lora else {}
 
 
 def with_gateway(view: object, ttft_s: float) -> float:

@@ -27,7 +27,7 @@ class LpsEstimator:
         self.k = k
 
     def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
-             hashes: PromptHashes | None = None) -> float:
+             hashes: PromptHashes | None = None, lora: int = 0) -> float:
         s = view.stats
         snap = view.snapshot()
         model, cfg = snap.model, snap.config

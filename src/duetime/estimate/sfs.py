@@ -54,16 +54,18 @@ class SfsEstimator:
         self._rows: tuple[Sequence[InstanceView], LoadBoard | None, np.ndarray] | None = None
 
     def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
-             hashes: PromptHashes | None = None) -> float:
+             hashes: PromptHashes | None = None, lora: int = 0) -> float:
         """Seconds from ``now`` to a new request's first token (inf if it cannot be served
         there: too long, KV too small). With prefix caching the replay prices the prompt's
-        cached blocks (``hashes``) and what the requests ahead cache and evict. A view with an
+        cached blocks (``hashes``) and what the requests ahead cache and evict; on adapter
+        ``lora`` it replays the ``max_loras`` cap (the request skipped while the step's
+        adapters are others). A view with an
         online correction (``ttft_correction``, :mod:`duetime.estimate.correction`) scales the
         instance's part by its factor; a gateway's own delay is a floor under it
         (:func:`~duetime.estimate.base.with_gateway`)."""
         fc = forecaster_of(view)
         try:
-            est = fc.ttft(prompt_tokens, _keys(fc.config, hashes)).estimate_s
+            est = fc.ttft(prompt_tokens, _keys(fc.config, hashes), lora=lora).estimate_s
         except ForecastError:
             return float("inf")
         return with_gateway(view, (est + (fc.time - now) + view.request_overhead_s
@@ -98,14 +100,15 @@ class SfsEstimator:
         return board.estimates(rows[np.asarray(which, dtype=np.int64)], prompt_tokens, now)
 
     def e2e(self, view: InstanceView, prompt_tokens: int, output_tokens: int,
-            now: float, *, hashes: PromptHashes | None = None) -> float:
+            now: float, *, hashes: PromptHashes | None = None, lora: int = 0) -> float:
         """Seconds from ``now`` until a new request of ``output_tokens`` output tokens finishes
         (the replay until its end; inf if it cannot be served there). Like the TTCA router has
         always done, it counts engine time only (no request overhead)."""
         snap = view.snapshot()
         try:
             return forecast(snap, prompt_tokens, output_tokens, until="finish",
-                            prompt_hashes=_keys(snap.config, hashes)).estimate_s + (
+                            prompt_hashes=_keys(snap.config, hashes),
+                            lora=lora).estimate_s + (
                                 snap.time - now)
         except ForecastError:
             return float("inf")

@@ -33,7 +33,7 @@ class ThroughputEstimator:
     name = "throughput"
 
     def ttft(self, view: InstanceView, prompt_tokens: int, now: float, *,
-             hashes: PromptHashes | None = None) -> float:
+             hashes: PromptHashes | None = None, lora: int = 0) -> float:
         snap = view.snapshot()
         prefill_rate, decode_step_s = profile_rates(snap.model, snap.config)
         queued = 0

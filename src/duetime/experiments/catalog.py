@@ -632,11 +632,19 @@ def autoscale(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Ou
     return Outcome(*run_autoscale(out, quick, seed, log, fanout))
 
 
+def lora(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    """Many LoRA adapters on replicas of one base model: sfs against llm-d's lora-affinity
+    and the load balancers (:mod:`duetime.experiments.lora`)."""
+    from duetime.experiments.lora import run_lora
+
+    return Outcome(*run_lora(out, quick, seed, log, fanout))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
     "prefix": prefix, "scale": scale, "replicas": replicas, "plan": plan,
-    "autoscale": autoscale}
+    "autoscale": autoscale, "lora": lora}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,

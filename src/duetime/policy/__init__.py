@@ -16,6 +16,7 @@ and the registry that names them (``duetime policies`` lists it).
 | ``ttca`` | argmin L/Q over models not yet attempted, L = the engine's end-to-end forecast |
 | ``prefix-load`` | llm-d's default profile: weighted prefix-cache + queue + kv-utilization scores |
 | ``cache-aware`` | SGLang router: least loaded if imbalanced, else best prefix match, else smallest cache |
+| ``lora-affinity`` | llm-d's lora-affinity + queue + kv-utilization scores (LoRA adapters) |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue, load_
 from duetime.policy.base import Candidate, Decision, Policy, RoutingRequest, utility
 from duetime.policy.cache_aware import CacheAware, PrefixLoad, queue_score
 from duetime.policy.latency import Feasible, LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
+from duetime.policy.lora import LoraAffinity, lora_affinity_score
 from duetime.policy.registry import (
     INPUTS,
     Param,
@@ -51,6 +53,7 @@ __all__ = [
     "Laar",
     "LatencyAgnostic",
     "LoadAware",
+    "LoraAffinity",
     "Lps",
     "Param",
     "Policy",
@@ -67,6 +70,7 @@ __all__ = [
     "consumes",
     "describe",
     "load_aware_score",
+    "lora_affinity_score",
     "make_policy",
     "policy_class",
     "policy_names",

@@ -36,7 +36,8 @@ class RoutingRequest:
     full blocks (in order; the caller memoises per block size and computes lazily), or ``None``
     when unknown (cache-aware policies then match nothing); the simulator fills it for every
     policy whenever its request set describes prompts by segments. ``session``: the session (a
-    conversation, tenant or query being retried) the request belongs to, if known.
+    conversation, tenant or query being retried) the request belongs to, if known. ``lora``:
+    the LoRA adapter it names (vLLM's ``lora_int_id`` on the candidates; 0: the base model).
     """
 
     id: str
@@ -49,6 +50,7 @@ class RoutingRequest:
     attempted: frozenset[str] = field(default_factory=frozenset)
     success: np.ndarray | None = None
     prompt_hashes: Callable[[int], Sequence[int]] | None = None
+    lora: int = 0
 
 
 @dataclass(slots=True)

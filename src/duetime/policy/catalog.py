@@ -3,6 +3,7 @@
 from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue
 from duetime.policy.cache_aware import CacheAware, PrefixLoad
 from duetime.policy.latency import LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
+from duetime.policy.lora import LoraAffinity
 from duetime.policy.registry import register
 from duetime.policy.retry import ExpectedTtca, Laar, SessionAffinity
 
@@ -19,3 +20,4 @@ register(Laar)
 register(ExpectedTtca)
 register(PrefixLoad)
 register(CacheAware)
+register(LoraAffinity)

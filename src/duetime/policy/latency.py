@@ -8,7 +8,7 @@ from typing import ClassVar
 import numpy as np
 
 from duetime.estimate import LpsEstimator, SfsEstimator, ThroughputEstimator
-from duetime.estimate.base import Estimator
+from duetime.estimate.base import Estimator, lora_kw
 from duetime.policy.base import (
     Candidate,
     Decision,
@@ -151,7 +151,8 @@ class Feasible(Policy):
                 and hasattr(self.estimator, "wait_estimates"))
 
     def _forecast(self, req: RoutingRequest, cand: Candidate, now: float) -> float:
-        return self.estimator.ttft(cand.view, req.prompt_tokens, now, hashes=req.prompt_hashes)
+        return self.estimator.ttft(cand.view, req.prompt_tokens, now, hashes=req.prompt_hashes,
+                                   **lora_kw(req.lora))
 
     def _first_fit(self, req: RoutingRequest, cands: list[Candidate], i: int,
                    forecasts: np.ndarray, now: float) -> int:
@@ -166,6 +167,8 @@ class Feasible(Policy):
         the best so far, or the target, are not forecast at all: the same choice as
         forecasting every one (up to ties), at the cost of a few."""
         target = req.ttft_target
+        if req.lora and self.replica_sample == 0:
+            return self._adapter_fit(req, cands, tier, forecasts, now)
         if self.replica_sample == 0 and self.ranked:
             best = self._ranked_fit(req, cands, tier, forecasts, bounds, now)
             if best is not None:
@@ -190,12 +193,35 @@ class Feasible(Policy):
         return best
 
 
+    def _adapter_fit(self, req: RoutingRequest, cands: list[Candidate], tier: np.ndarray,
+                     forecasts: np.ndarray, now: float) -> int:
+        """A request on a LoRA adapter, among replicas: the least forecast meeting the target
+        among those where its adapter already has requests (it takes no adapter slot there:
+        ``max_loras`` slots left for other adapters keep them on time later), else among all;
+        -1 if none meets it. Every replica is forecast (the lower bounds know nothing of the
+        cap)."""
+        target = req.ttft_target
+        best = best_live = -1
+        for i in self.rng.permutation(tier).tolist():  # (random among equals)
+            forecasts[i] = f = self._forecast(req, cands[i], now)
+            if f > target:
+                continue
+            if best < 0 or f < forecasts[best]:
+                best = i
+            live = getattr(cands[i].view, "lora_adapters", None)
+            if live is not None and req.lora in live[0] and (
+                    best_live < 0 or f < forecasts[best_live]):
+                best_live = i
+        return best_live if best_live >= 0 else best
+
     def _ranked_fit(self, req: RoutingRequest, cands: list[Candidate], tier: np.ndarray,
                     forecasts: np.ndarray, bounds: np.ndarray, now: float) -> int | None:
         """The tier's replica with the least wait estimate stands for the tier: it is taken
         if its forecast meets the target (-1 if not; ``None`` without estimates). The other
         replicas are not forecast at all, not even when no tier meets the target."""
         wait = getattr(self.estimator, "wait_estimates", None)
+        if req.lora:  # (the estimates do not know the max_loras cap: all are forecast)
+            return None
         est = None if wait is None else wait(views_of(cands), tier, req.prompt_tokens, now)
         if est is None:
             return None
@@ -268,7 +294,8 @@ class SoftSfs(Policy):
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         u = utility(req, cands, self.lam)
         f = np.array([self.estimator.ttft(c.view, req.prompt_tokens, now,
-                                          hashes=req.prompt_hashes) for c in cands])
+                                          hashes=req.prompt_hashes, **lora_kw(req.lora))
+                      for c in cands])
         score = u - self.delta * np.minimum(f, 1e6) * 1e6
         i = self._argmax_random(score)
         return Decision(i, float(f[i]))
@@ -277,7 +304,8 @@ class SoftSfs(Policy):
                  chosen: int) -> Described:
         u = utility(req, cands, self.lam)
         f = np.array([self.estimator.ttft(c.view, req.prompt_tokens, now,
-                                          hashes=req.prompt_hashes) for c in cands])
+                                          hashes=req.prompt_hashes, **lora_kw(req.lora))
+                      for c in cands])
         score = u - self.delta * np.minimum(f, 1e6) * 1e6
         return Described({"forecast_ttft_s": f.tolist(), "utility": u.tolist(),
                           "score": score.tolist()}, "U - delta x TTFT", "higher",

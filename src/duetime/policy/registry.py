@@ -36,6 +36,7 @@ SUCCESS = "success"
 OUTPUT_LENGTH = "output_length"
 PREFIX = "prefix_cache"
 SESSIONS = "session_bindings"
+LORA = "lora_adapters"
 
 INPUTS: dict[str, str] = {
     SNAPSHOT: "each instance's resident requests (a snapshot: published by the instance, or "
@@ -50,12 +51,14 @@ INPUTS: dict[str, str] = {
             "events give it) or estimated (inferred from the router's own routing decisions)",
     SESSIONS: "session bindings (session -> instance) it reads and writes: its own, unless "
               "the caller provides a shared mapping (the gateway's replicas share theirs)",
+    LORA: "each instance's LoRA adapters with live requests and its max_loras (vLLM's "
+          "vllm:lora_requests_info)",
 }
 
 # what is read from the instances (the rest is about the request): a policy that consumes none
 # of these never looks at an instance's state (the simulator then steps an instance only when
 # it is given a request)
-INSTANCE_INPUTS = frozenset({SNAPSHOT, LOAD, STATS, PREFIX})
+INSTANCE_INPUTS = frozenset({SNAPSHOT, LOAD, STATS, PREFIX, LORA})
 
 
 class PolicyError(ValueError):

@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 import numpy as np
 
 from duetime.estimate import LaarLatency, SfsEstimator
+from duetime.estimate.base import lora_kw
 from duetime.policy.balancing import LoadAware
 from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
 from duetime.policy.registry import (
@@ -158,7 +159,8 @@ class ExpectedTtca(Policy):
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         assert req.success is not None
         lat = np.array([self.estimator.e2e(c.view, req.prompt_tokens, int(req.output_tokens[i]),
-                                           now, hashes=req.prompt_hashes)
+                                           now, hashes=req.prompt_hashes,
+                                           **lora_kw(req.lora))
                         for i, c in enumerate(cands)])
         fresh = np.array([c.model not in req.attempted for c in cands])
         if not fresh.any():
@@ -173,7 +175,8 @@ class ExpectedTtca(Policy):
                  chosen: int) -> Described:
         assert req.success is not None
         lat = [self.estimator.e2e(c.view, req.prompt_tokens, int(req.output_tokens[i]), now,
-                                  hashes=req.prompt_hashes) for i, c in enumerate(cands)]
+                                  hashes=req.prompt_hashes, **lora_kw(req.lora))
+               for i, c in enumerate(cands)]
         fresh = [c.model not in req.attempted for c in cands]
         score = [x / max(float(q), 1e-6) if f else None
                  for x, q, f in zip(lat, req.success, fresh, strict=True)]

@@ -31,7 +31,7 @@ from duetime.engine.batch_stepper import BatchStepper, warm_up_stepper
 from duetime.engine.spec import InstanceSpec
 from duetime.engine.wait_estimate import LoadBoard
 from duetime.engine.warmup import warm_up
-from duetime.estimate.base import Estimator
+from duetime.estimate.base import Estimator, lora_kw
 from duetime.policy.base import Candidate, Candidates, Policy, RoutingRequest
 from duetime.policy.registry import INSTANCE_INPUTS, QUALITY, SUCCESS
 from duetime.policy.tiers import warm_up_tiers
@@ -304,6 +304,10 @@ class ClusterSim:
         overhead = np.zeros(n)
         shared = requests.segments is not None  # else each request's blocks are its own
         sessions = requests.session
+        adapters = requests.adapter
+        if adapters is not None and shared and np.any(adapters > 0):
+            raise ValueError("requests on LoRA adapters with shared prefixes: the simulator's "
+                             "block keys do not carry adapters yet")
 
         # a policy that reads no instance's state sees none: the instances are then stepped
         # only when given a request (the same steps, noise included: each engine draws its
@@ -323,7 +327,8 @@ class ClusterSim:
                                  requests.tasks[requests.task[i]], session=session,
                                  success=None if pred_s is None else pred_s[i, cand_model],
                                  prompt_hashes=keys_by_block_size(requests.segments[i]) if shared
-                                 else None)
+                                 else None,
+                                 lora=0 if adapters is None else int(adapters[i]))
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
@@ -333,7 +338,7 @@ class ClusterSim:
                 inst.advance(t)
             for est in self.shadow_estimators:
                 shadow[est.name][i] = est.ttft(inst, req.prompt_tokens, t,
-                                               hashes=req.prompt_hashes)
+                                               hashes=req.prompt_hashes, **lora_kw(req.lora))
             inst.sync()
             if self.charge_overhead:  # the request reaches the instance after the decision
                 inst.advance(t + overhead[i])
@@ -341,7 +346,8 @@ class ClusterSim:
             out = int(requests.output[i, mi])
             hashes = (engine_hashes(requests, i, out, inst.engine.config.block_size)
                       if shared and inst.engine.caching else ())
-            inst.submit(str(i), int(requests.prompt[i]), out, int(pred_out[i, mi]), t, hashes)
+            inst.submit(str(i), int(requests.prompt[i]), out, int(pred_out[i, mi]), t, hashes,
+                        req.lora)
             chosen[i] = k
             if scaler is not None:
                 scaler.routed_to(models[mi], i, k, t, float(requests.target[i]), out,

@@ -85,14 +85,15 @@ class SimInstance:
         return math.inf if eng.idle else eng.time
 
     def submit(self, rid: str, prompt: int, output: int, predicted: int, t: float,
-               hashes: Sequence[int] = ()) -> None:
+               hashes: Sequence[int] = (), lora: int = 0) -> None:
         """A request sent at ``t`` (the instance has been advanced to ``t``): at the engine's
-        waiting tail now, or when its frontend hands it over."""
+        waiting tail now, or when its frontend hands it over (``lora``: its adapter)."""
         if self.fronted is None:
             self.engine.add(rid, prompt, output, predicted_output_tokens=predicted, arrival=t,
-                            hashes=hashes)
+                            hashes=hashes, lora=lora)
         else:
-            self.fronted.submit(rid, prompt, output, t, predicted=predicted, hashes=hashes)
+            self.fronted.submit(rid, prompt, output, t, predicted=predicted, hashes=hashes,
+                                lora=lora)
 
     def advance(self, t: float) -> None:
         """Step until the clock is at ``t`` (the last step may end after it), as
@@ -119,6 +120,13 @@ class SimInstance:
         return rows[:, 0], rows[:, 1]
 
     # InstanceView
+    @property
+    def lora_adapters(self) -> tuple[frozenset[int], int]:
+        """The adapters with resident requests and ``max_loras``: what vLLM's
+        ``vllm:lora_requests_info`` tells a router (its running and waiting lists both name
+        every adapter with a live request)."""
+        return self.engine.live_adapters(), self.engine.config.max_loras
+
     @property
     def frontend(self) -> FrontendModel | None:
         """The spec's API-server costs (the forecasts add their queue)."""

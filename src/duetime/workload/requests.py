@@ -36,6 +36,9 @@ class RequestSet:
     # (n,) int64: the segment its output tokens form; request i's prompt + answer as model m
     # gives it is segments[i] + ((answer_segment[i], output[i, m]),)
     answer_segment: np.ndarray | None = None
+    # (n,) int64: the LoRA adapter each request names (vLLM's lora_int_id, the same on every
+    # instance; 0: the base model), or None: all on the base model
+    adapter: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -46,7 +49,8 @@ class RequestSet:
             return None if a is None else a[:n]
         return RequestSet(self.arrival[:n], self.task[:n], self.prompt[:n], self.output[:n],
                           self.quality[:n], self.target[:n], self.tasks, self.models,
-                          cut(self.segments), cut(self.session), cut(self.answer_segment))
+                          cut(self.segments), cut(self.session), cut(self.answer_segment),
+                          cut(self.adapter))
 
 
 def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,

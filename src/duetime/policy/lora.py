@@ -1,0 +1,89 @@
+"""llm-d's LoRA-affinity baseline: where a request's adapter already has requests, else where
+another adapter fits (``lora-affinity``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from duetime.policy.balancing import load_aware_score
+from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
+from duetime.policy.cache_aware import queue_score
+from duetime.policy.registry import LOAD, LORA, SEED, Param
+
+
+def lora_affinity_score(lora: int, live: frozenset[int], max_loras: int) -> float:
+    """llm-d's lora-affinity scorer (github.com/llm-d/llm-d-router,
+    ``pkg/epp/framework/plugins/scheduling/scorer/loraaffinity/lora_affinity.go``) from an
+    instance's ``vllm:lora_requests_info``: 1.0 if the adapter is active there, else 0.8 if
+    the adapters listed (running and waiting, counted once) are fewer than ``max_lora``, else
+    0.6 if it is waiting there, else 0. vLLM 0.32 lists every adapter with a live request in
+    both lists, so "waiting" implies "active" and the 0.6 tier is never reached (as llm-d's
+    code says). The base model (``lora`` 0) scores 1.0 everywhere."""
+    if lora <= 0 or lora in live:
+        return 1.0
+    return 0.8 if len(live) < max_loras else 0.0
+
+
+LORA_WEIGHT = Param("lora-weight", "lora_weight", float, 1.0,
+                    "weight of the lora-affinity scorer", min=0.0)
+QUEUE_WEIGHT = Param("queue-weight", "queue_weight", float, 1.0,
+                     "weight of the queue scorer (waiting requests, min-max normalised)",
+                     min=0.0)
+KV_WEIGHT = Param("kv-weight", "kv_weight", float, 1.0,
+                  "weight of the kv-cache-utilization scorer (1 - KV use)", min=0.0)
+LOAD_WEIGHT = Param("load-weight", "load_weight", float, 0.0,
+                    "weight of the load-aware scorer (0.5 (1 - min(waiting, 128) / 128))",
+                    min=0.0)
+
+
+class LoraAffinity(Policy):
+    """``lora-affinity``: a weighted sum of llm-d scorers in [0, 1] — lora-affinity
+    (:func:`lora_affinity_score`), queue (:func:`~duetime.policy.cache_aware.queue_score`),
+    kv-cache-utilization (1 - KV use) and, at weight 0 by default, load-aware — the highest
+    total wins, random tie-break (llm-d's ``max-score-picker``). llm-d ships no default LoRA
+    profile; the default weights, 1 each for the first three, give the adapter scorer as much
+    say as each load scorer (its ``schedulingProfiles`` take any weights: set them here)."""
+
+    name = "lora-affinity"
+    summary = ("llm-d's lora-affinity scorer (1 where the adapter has requests, 0.8 where "
+               "another fits under max_loras, else 0) plus its queue and kv-cache-utilization "
+               "scorers, weights 1:1:1; the best total, random tie-break")
+    params = (SEED, LORA_WEIGHT, QUEUE_WEIGHT, KV_WEIGHT, LOAD_WEIGHT)
+    consumes = frozenset({LOAD, LORA})
+
+    def __init__(self, *, seed: int = 0, lora_weight: float = LORA_WEIGHT.default,
+                 queue_weight: float = QUEUE_WEIGHT.default, kv_weight: float = KV_WEIGHT.default,
+                 load_weight: float = LOAD_WEIGHT.default) -> None:
+        super().__init__(seed=seed)
+        self.lora_weight = lora_weight
+        self.queue_weight = queue_weight
+        self.kv_weight = kv_weight
+        self.load_weight = load_weight
+
+    def scorers(self, req: RoutingRequest, cands: list[Candidate]) -> dict[str, np.ndarray]:
+        """Each weighted scorer's weighted scores per candidate (those of weight 0 left
+        out), and their ``score``, the total."""
+        waiting = np.array([c.view.num_waiting for c in cands], dtype=float)
+        parts: dict[str, np.ndarray] = {}
+        if self.lora_weight:
+            parts["lora"] = self.lora_weight * np.array(
+                [lora_affinity_score(req.lora, *c.view.lora_adapters) for c in cands])
+        if self.queue_weight:
+            parts["queue"] = self.queue_weight * queue_score(waiting)
+        if self.kv_weight:
+            parts["kv"] = self.kv_weight * (1.0 - np.array([c.view.kv_usage for c in cands]))
+        if self.load_weight:
+            parts["load"] = self.load_weight * np.array([load_aware_score(int(w))
+                                                          for w in waiting])
+        parts["score"] = sum(parts.values(), np.zeros(len(cands)))
+        return parts
+
+    def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
+        return Decision(self._argmax_random(self.scorers(req, cands)["score"]))
+
+    def describe(self, req: RoutingRequest, cands: list[Candidate], now: float,
+                 chosen: int) -> Described:
+        parts = self.scorers(req, cands)
+        return Described({k: v.tolist() for k, v in parts.items()}, "weighted score",
+                         "higher", "the best weighted sum of the scorers (" + ", ".join(
+                             k for k in parts if k != "score") + "); ties at random")
