@@ -65,6 +65,22 @@ def queue_score(waiting: np.ndarray) -> np.ndarray:
     return (hi - waiting) / (hi - lo)
 
 
+def load_scorers(cands: list[Candidate], queue_weight: float, kv_weight: float,
+                 load_weight: float) -> dict[str, np.ndarray]:
+    """llm-d's load scorers, weighted, per candidate (those of weight 0 left out): ``queue``
+    (:func:`queue_score`), ``kv`` (kv-cache-utilization: 1 - KV use) and ``load`` (load-aware:
+    :func:`~duetime.policy.balancing.load_aware_score`)."""
+    waiting = np.array([c.view.num_waiting for c in cands], dtype=float)
+    parts: dict[str, np.ndarray] = {}
+    if queue_weight:
+        parts["queue"] = queue_weight * queue_score(waiting)
+    if kv_weight:
+        parts["kv"] = kv_weight * (1.0 - np.array([c.view.kv_usage for c in cands]))
+    if load_weight:
+        parts["load"] = load_weight * np.array([load_aware_score(int(w)) for w in waiting])
+    return parts
+
+
 PREFIX_WEIGHT = Param("prefix-weight", "prefix_weight", float, 3.0,
                       "weight of the prefix-cache scorer (matched / prompt blocks)", min=0.0)
 QUEUE_WEIGHT = Param("queue-weight", "queue_weight", float, 2.0,
@@ -142,18 +158,10 @@ class PrefixLoad(Policy):
                 hashes: _Hashes) -> dict[str, np.ndarray]:
         """Each weighted scorer's weighted scores per candidate (those of weight 0 left
         out), and their ``score``, the total."""
-        indexes = _indexes(cands)
-        waiting = np.array([c.view.num_waiting for c in cands], dtype=float)
         parts: dict[str, np.ndarray] = {}
         if self.prefix_weight:
-            parts["prefix"] = self.prefix_weight * self.prefix_scores(indexes, hashes)
-        if self.queue_weight:
-            parts["queue"] = self.queue_weight * queue_score(waiting)
-        if self.kv_weight:
-            parts["kv"] = self.kv_weight * (1.0 - np.array([c.view.kv_usage for c in cands]))
-        if self.load_weight:
-            parts["load"] = self.load_weight * np.array([load_aware_score(int(w))
-                                                          for w in waiting])
+            parts["prefix"] = self.prefix_weight * self.prefix_scores(_indexes(cands), hashes)
+        parts.update(load_scorers(cands, self.queue_weight, self.kv_weight, self.load_weight))
         parts["score"] = sum(parts.values(), np.zeros(len(cands)))
         return parts
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from duetime.policy.balancing import load_aware_score
 from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
-from duetime.policy.cache_aware import queue_score
+from duetime.policy.cache_aware import load_scorers
 from duetime.policy.registry import LOAD, LORA, SEED, Param
 
 
@@ -38,8 +37,9 @@ LOAD_WEIGHT = Param("load-weight", "load_weight", float, 0.0,
 
 class LoraAffinity(Policy):
     """``lora-affinity``: a weighted sum of llm-d scorers in [0, 1] — lora-affinity
-    (:func:`lora_affinity_score`), queue (:func:`~duetime.policy.cache_aware.queue_score`),
-    kv-cache-utilization (1 - KV use) and, at weight 0 by default, load-aware — the highest
+    (:func:`lora_affinity_score`) and the load scorers
+    (:func:`~duetime.policy.cache_aware.load_scorers`: queue, kv-cache-utilization and, at
+    weight 0 by default, load-aware) — the highest
     total wins, random tie-break (llm-d's ``max-score-picker``). llm-d ships no default LoRA
     profile; the default weights, 1 each for the first three, give the adapter scorer as much
     say as each load scorer (its ``schedulingProfiles`` take any weights: set them here)."""
@@ -63,18 +63,11 @@ class LoraAffinity(Policy):
     def scorers(self, req: RoutingRequest, cands: list[Candidate]) -> dict[str, np.ndarray]:
         """Each weighted scorer's weighted scores per candidate (those of weight 0 left
         out), and their ``score``, the total."""
-        waiting = np.array([c.view.num_waiting for c in cands], dtype=float)
         parts: dict[str, np.ndarray] = {}
         if self.lora_weight:
             parts["lora"] = self.lora_weight * np.array(
                 [lora_affinity_score(req.lora, *c.view.lora_adapters) for c in cands])
-        if self.queue_weight:
-            parts["queue"] = self.queue_weight * queue_score(waiting)
-        if self.kv_weight:
-            parts["kv"] = self.kv_weight * (1.0 - np.array([c.view.kv_usage for c in cands]))
-        if self.load_weight:
-            parts["load"] = self.load_weight * np.array([load_aware_score(int(w))
-                                                          for w in waiting])
+        parts.update(load_scorers(cands, self.queue_weight, self.kv_weight, self.load_weight))
         parts["score"] = sum(parts.values(), np.zeros(len(cands)))
         return parts
 
