@@ -353,13 +353,17 @@ class Emulator:
         return self.config.enable_prefix_caching
 
     def lora_names(self) -> tuple[list[str], list[str]]:
-        """The names ``vllm:lora_requests_info`` lists as running and as waiting: in vLLM
-        0.32 both are every adapter with a live request (its ``LoRARequestStates`` fills the
-        two dicts from one, running and waiting counts per adapter, zeros included), in the
-        order their first live request arrived."""
+        """The names ``vllm:lora_requests_info`` lists as running and as waiting. On vLLM 0.32
+        both are the same list (its ``LoRARequestStates`` fills the two dicts from one table,
+        zero counts included): the adapters of the requests that have been scheduled and not
+        finished, in the order they first arrived; a request still waiting for its first step
+        is in neither (its first event travels with its first output: observed on the CPU
+        build, ``scripts/vllm_cpu/README.md``). Scheduled: running now, or waiting again with
+        output (preempted)."""
+        running = set(self.engine.running_ids())
         out: dict[str, None] = {}
-        for req in self._active.values():
-            if req.lora is not None and not req.done:
+        for rid, req in self._active.items():
+            if req.lora is not None and not req.done and (rid in running or req.produced):
                 out.setdefault(req.lora)
         names = list(out)
         return names, list(names)

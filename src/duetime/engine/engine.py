@@ -257,11 +257,15 @@ class Engine:
                 "finish_time": None if fin != fin else fin}
 
     def live_adapters(self) -> frozenset[int]:
-        """The LoRA adapters of the resident requests, running or waiting (what vLLM's
-        ``vllm:lora_requests_info`` lists, by id)."""
+        """The LoRA adapters of the requests that have been scheduled and not finished: running
+        ones, and waiting ones with output (preempted) — what vLLM 0.32's
+        ``vllm:lora_requests_info`` lists, by id (a request waiting for its first step is not
+        listed there)."""
         if not self.lora_seen:
             return frozenset()
-        rows = np.concatenate((self._run[:int(self._st[kn.NRUN])], self._waiting_rows()))
+        wait = self._waiting_rows()
+        rows = np.concatenate((self._run[:int(self._st[kn.NRUN])],
+                               wait[self._req[wait, kn.OUTPUT] > 0]))
         ids = np.unique(self._req[rows, kn.LORA])
         return frozenset(ids[ids > 0].tolist())
 

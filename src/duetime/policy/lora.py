@@ -15,9 +15,10 @@ def lora_affinity_score(lora: int, live: frozenset[int], max_loras: int) -> floa
     ``pkg/epp/framework/plugins/scheduling/scorer/loraaffinity/lora_affinity.go``) from an
     instance's ``vllm:lora_requests_info``: 1.0 if the adapter is active there, else 0.8 if
     the adapters listed (running and waiting, counted once) are fewer than ``max_lora``, else
-    0.6 if it is waiting there, else 0. vLLM 0.32 lists every adapter with a live request in
-    both lists, so "waiting" implies "active" and the 0.6 tier is never reached (as llm-d's
-    code says). The base model (``lora`` 0) scores 1.0 everywhere."""
+    0.6 if it is waiting there, else 0. vLLM 0.32 puts one list in both labels (the adapters
+    of the requests scheduled and not finished), so "waiting" implies "active" and the 0.6
+    tier is never reached (as llm-d's code says). The base model (``lora`` 0) scores 1.0
+    everywhere."""
     if lora <= 0 or lora in live:
         return 1.0
     return 0.8 if len(live) < max_loras else 0.0

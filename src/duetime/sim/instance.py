@@ -122,9 +122,9 @@ class SimInstance:
     # InstanceView
     @property
     def lora_adapters(self) -> tuple[frozenset[int], int]:
-        """The adapters with resident requests and ``max_loras``: what vLLM's
-        ``vllm:lora_requests_info`` tells a router (its running and waiting lists both name
-        every adapter with a live request)."""
+        """The adapters of the requests scheduled and not finished, and ``max_loras``: what
+        vLLM's ``vllm:lora_requests_info`` tells a router (its running and waiting lists are
+        one list: :meth:`~duetime.engine.engine.Engine.live_adapters`)."""
         return self.engine.live_adapters(), self.engine.config.max_loras
 
     @property

@@ -1,0 +1,304 @@
+"""LoRA adapters on a real vLLM (CPU build): what duetime needs of a multi-LoRA server works on
+vLLM 0.32, with tiny random-weight PEFT adapters built offline (``make_tiny_lora.py``).
+
+One server of ``tiny-small`` with ``--enable-lora --max-loras 2`` and three adapters from
+``--lora-modules``, started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``: ``/v1/models`` lists
+the adapters (root: the path, parent: the base model); completions on each adapter and on the
+base model succeed and differ (each adapter is applied); adapters load and unload at run time;
+``vllm:lora_requests_info`` names the adapters of running requests. A strict xfail records
+vLLM 0.32's CPU bug: a base request that shares a step with a LoRA request gets an adapter.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import (
+    MODEL_SEED,
+    MODELS,
+    REPO,
+    SCRIPTS,
+    START_TIMEOUT_S,
+    _build_models,
+    _clean_env,
+    _cores,
+    _free_port,
+    _Proc,
+    _tail,
+    _wait_healthy,
+)
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "tiny-small"
+STATIC = ("a1", "a2", "a3")  # registered by --lora-modules
+RUNTIME = "a4"  # loaded and unloaded through the API
+MAX_LORAS = 2
+LORA_RANK = 8
+TIMEOUT = 60.0
+GREEDY = {"temperature": 0, "ignore_eos": True}
+LONG_TOKENS = 1900  # a long stream (the prompt's few tokens + this < --max-model-len 2048)
+METRIC_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class LoraServer:
+    """The server and the adapters' folders (name -> path as passed to vLLM)."""
+
+    base_url: str
+    model_dir: Path
+    adapters: dict[str, Path]
+
+
+def _make_adapters(python: Path, model_dir: Path, out: Path, count: int) -> list[Path]:
+    """``count`` adapters for ``model_dir`` under ``out`` (cached there like the models)."""
+    proc = subprocess.run(
+        [str(python), str(SCRIPTS / "make_tiny_lora.py"), str(model_dir), str(out),
+         "--count", str(count), "--rank", str(LORA_RANK), "--seed", str(MODEL_SEED)],
+        capture_output=True, text=True, env=_clean_env(), timeout=300,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"building LoRA adapters failed:\n{(proc.stdout + proc.stderr)[-3000:]}",
+                    pytrace=False)
+    return [Path(line.split("=", 1)[1]) for line in proc.stdout.splitlines() if "=" in line]
+
+
+@pytest.fixture(scope="module")
+def lora_server(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[LoraServer]:
+    cache = Path(os.environ.get("DUETIME_VLLM_MODEL_CACHE", REPO / ".cache" / "vllm-models"))
+    model_dir = _build_models(vllm_python, cache)[MODEL]
+    paths = _make_adapters(vllm_python, model_dir, cache / f"{MODEL}-lora", len(STATIC) + 1)
+    adapters = dict(zip((*STATIC, RUNTIME), paths, strict=True))
+    flags = ("--enable-lora", "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(LORA_RANK),
+             "--lora-modules", *(f"{name}={adapters[name]}" for name in STATIC))
+    log = tmp_path_factory.mktemp("vllm-lora") / f"{MODEL}-lora.log"
+    proc = _Proc(MODEL, MODELS[MODEL], model_dir, _free_port(), _cores()[0], log, flags)
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # (the server's env is read at its start)
+            mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+            proc.start(vllm_python)
+        try:
+            _wait_healthy([proc], START_TIMEOUT_S)
+        except Exception as exc:
+            pytest.fail(f"{type(exc).__name__}: {exc}\n\n--- {log} (tail) ---\n{_tail(log)}",
+                        pytrace=False)
+        yield LoraServer(proc.base_url, model_dir, adapters)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def client(lora_server: LoraServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as c:
+        yield c
+
+
+def _complete(client: httpx.Client, model: str, max_tokens: int = 4) -> httpx.Response:
+    return client.post("/v1/completions", json={
+        "model": model, "prompt": "hello world the answer is", "max_tokens": max_tokens,
+        "logprobs": 3, **GREEDY})
+
+
+def test_models_lists_the_adapters_with_root_and_parent(lora_server: LoraServer,
+                                                        client: httpx.Client) -> None:
+    cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert set(cards) == {MODEL, *STATIC}, cards
+    assert cards[MODEL]["parent"] is None
+    for name in STATIC:
+        assert cards[name]["root"] == str(lora_server.adapters[name]), cards[name]
+        assert cards[name]["parent"] == MODEL, cards[name]
+
+
+def test_completions_on_each_adapter_and_the_base_model(client: httpx.Client) -> None:
+    """Each completes; the first token's distribution differs between any two of them (each
+    adapter's own random weights are applied, none is the base model)."""
+    first: dict[str, dict[str, float]] = {}
+    for model in (MODEL, *STATIC):
+        r = _complete(client, model)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["model"] == model
+        assert body["usage"]["completion_tokens"] == 4
+        first[model] = body["choices"][0]["logprobs"]["top_logprobs"][0]
+    models = list(first)
+    for i, a in enumerate(models):
+        for b in models[i + 1:]:
+            assert first[a] != first[b], (a, b, first)
+
+
+def test_runtime_load_and_unload(lora_server: LoraServer, client: httpx.Client) -> None:
+    path = str(lora_server.adapters[RUNTIME])
+    r = client.post("/v1/load_lora_adapter", json={"lora_name": RUNTIME, "lora_path": path})
+    assert r.status_code == 200, r.text
+    try:
+        card = {m["id"]: m for m in client.get("/v1/models").json()["data"]}[RUNTIME]
+        assert (card["root"], card["parent"]) == (path, MODEL)
+        r = _complete(client, RUNTIME)
+        assert r.status_code == 200, r.text
+        # a second load of the same name is refused (vLLM: load_inplace=true to replace it)
+        again = client.post("/v1/load_lora_adapter",
+                            json={"lora_name": RUNTIME, "lora_path": path})
+        assert again.status_code == 400, again.text
+    finally:
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": RUNTIME})
+    assert r.status_code == 200, r.text
+    assert RUNTIME not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+    assert _complete(client, RUNTIME).status_code == 404
+    assert client.post("/v1/unload_lora_adapter",
+                       json={"lora_name": RUNTIME}).status_code == 404
+
+
+_SERIES = re.compile(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.M)
+
+
+def lora_series(metrics: str) -> list[tuple[dict[str, str], float]]:
+    """``vllm:lora_requests_info``'s series: (labels, value). Its value is the time (Unix s)
+    the engine last reported that label set; a set no longer current is never removed, so the
+    current state is the newest series."""
+    return [(dict(_LABEL.findall(labels)), float(value))
+            for labels, value in _SERIES.findall(metrics)]
+
+
+def newest(metrics: str) -> dict[str, str]:
+    return max(lora_series(metrics), key=lambda s: s[1])[0]
+
+
+def adapters_of(labels: dict[str, str], key: str) -> set[str]:
+    return {a for a in labels[key].split(",") if a}
+
+
+def _streams_until_seen(client: httpx.Client, models: tuple[str, ...]
+                        ) -> tuple[dict[str, str] | None, list[str]]:
+    """Long streams on ``models`` at once; ``/metrics`` scraped until one scrape, taken while
+    requests still run, names them all as running. Returns that scrape's newest series (None
+    when the streams ended first) and every newest series seen. The streams are closed
+    (aborted) once seen."""
+    stop = threading.Event()
+    started = threading.Barrier(len(models) + 1)
+    errors: list[str] = []
+
+    def stream(model: str) -> None:
+        try:
+            with httpx.Client(base_url=client.base_url, timeout=TIMEOUT) as c, c.stream(
+                    "POST", "/v1/completions", json={
+                        "model": model, "prompt": "hello", "max_tokens": LONG_TOKENS,
+                        "stream": True, **GREEDY}) as r:
+                if r.status_code != 200:
+                    errors.append(f"{model}: {r.status_code} {r.read()!r}")
+                lines = r.iter_lines()
+                next(lines, None)  # its first token: from here on it is running
+                started.wait(TIMEOUT)
+                for _ in lines:
+                    if stop.is_set():
+                        break
+        except Exception as exc:  # (reported by the caller)
+            errors.append(f"{model}: {exc!r}")
+            started.abort()
+
+    threads = [threading.Thread(target=stream, args=(m,), daemon=True) for m in models]
+    for t in threads:
+        t.start()
+    seen: list[str] = []
+    found = None
+    try:
+        started.wait(TIMEOUT)
+        while any(t.is_alive() for t in threads):
+            text = client.get("/metrics").text
+            labels = newest(text)
+            if not seen or seen[-1] != str(labels):
+                seen.append(str(labels))
+            running = float(_RUNNING.search(text).group(1))  # type: ignore[union-attr]
+            if running >= len(models) and adapters_of(labels, "running_lora_adapters") == set(
+                    models):
+                found = labels
+                break
+            time.sleep(0.05)
+    except threading.BrokenBarrierError:
+        pass
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(TIMEOUT)
+    assert not errors, errors
+    return found, seen
+
+
+def test_lora_requests_info_names_running_adapters(client: httpx.Client) -> None:
+    """While requests on a1 and a2 run, the newest ``vllm:lora_requests_info`` series names
+    both (comma-separated) with max_lora 2; once they are gone the newest names none, and the
+    earlier label sets stay listed."""
+    models = ("a1", "a2")
+    found, seen = None, []
+    for _ in range(METRIC_ATTEMPTS):  # (a retry only if the streams ended before a scrape)
+        found, seen = _streams_until_seen(client, models)
+        if found is not None:
+            break
+    assert found is not None, f"no scrape while {models} ran named them; newest seen: {seen}"
+    assert found["max_lora"] == str(MAX_LORAS)
+    # vLLM 0.32 lists every adapter with a request in flight in both labels
+    assert adapters_of(found, "waiting_lora_adapters") <= set(models)
+
+    # after the streams were aborted: the newest series names no adapter (polled: the
+    # engine reports once it has dropped them)
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        text = client.get("/metrics").text
+        idle = newest(text)
+        if idle["running_lora_adapters"] == "" or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle == {"max_lora": str(MAX_LORAS), "running_lora_adapters": "",
+                    "waiting_lora_adapters": ""}, lora_series(text)
+    assert any(labels == found for labels, _ in lora_series(text)), lora_series(text)
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: a base-model request decoded in the same "
+                   "step as a LoRA request gets an adapter applied (the CPU LoRA ops index "
+                   "the adapter slots with -1, 'no LoRA', which selects the last slot)")
+def test_a_base_request_batched_with_a_lora_request_answers_as_alone(
+        lora_server: LoraServer, client: httpx.Client) -> None:
+    """A base-model request answers the same (greedy, its logprobs) alone and while an adapter's
+    request decodes beside it. The premise, that the two shared the engine's steps, is checked:
+    the adapter's stream is still running when the base request has its answer."""
+    alone = _complete(client, MODEL, max_tokens=8).json()["choices"][0]["logprobs"]
+    first, stop = threading.Event(), threading.Event()
+    ended: list[bool] = []
+
+    def lora_stream() -> None:
+        with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as c, c.stream(
+                "POST", "/v1/completions", json={
+                    "model": "a1", "prompt": "another prompt", "max_tokens": LONG_TOKENS,
+                    "stream": True, **GREEDY}) as r:
+            for line in r.iter_lines():
+                first.set()
+                if stop.is_set():
+                    return
+                if line == "data: [DONE]":
+                    ended.append(True)
+        first.set()
+
+    t = threading.Thread(target=lora_stream, daemon=True)
+    t.start()
+    try:
+        assert first.wait(TIMEOUT)
+        beside = _complete(client, MODEL, max_tokens=8).json()["choices"][0]["logprobs"]
+        if ended:
+            pytest.skip("the adapter's stream ended before the base request's answer")
+    finally:
+        stop.set()
+        t.join(TIMEOUT)
+    assert beside["tokens"] == alone["tokens"]
+    assert beside["token_logprobs"] == pytest.approx(alone["token_logprobs"], abs=1e-4)
