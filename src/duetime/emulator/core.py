@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import logging
@@ -40,7 +39,7 @@ import math
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -50,6 +49,7 @@ from prometheus_client.registry import Collector
 from duetime.engine import BatchTimeModel, Engine, EngineStuck, SchedulerConfig, Snapshot
 from duetime.engine.frontend import Frontend, FrontendModel
 from duetime.engine.warmup import warm_up
+from duetime.web.prefix_keys import adapter_block_keys
 
 log = logging.getLogger("duetime.emulator")
 
@@ -127,17 +127,12 @@ class Adapter:
     id: int  # vLLM's lora_int_id: 1, 2, 3… in load order
     path: str
     base_model_name: str | None = None
-    seed: bytes = field(default=b"", repr=False)  # the name's hash, mixed into block keys
 
     def keyed(self, keys: Sequence[int]) -> list[int]:
-        """``keys`` with this adapter in each: vLLM puts the adapter's name in every block
-        hash, so its cached blocks are nobody else's. A key already depends on every block
-        up to it, so hashing each one with the name keeps the prefix property (same adapter,
-        same prefix: same keys) and sets adapters apart (signed int64, as the engine's)."""
-        seed = self.seed
-        return [int.from_bytes(hashlib.blake2b(seed + k.to_bytes(8, "little", signed=True),
-                                               digest_size=8).digest(), "little", signed=True)
-                for k in keys]
+        """``keys`` with this adapter in each (:func:`~duetime.web.prefix_keys.
+        adapter_block_keys`, as the gateway keys them): vLLM puts the adapter's name in every
+        block hash, so its cached blocks are nobody else's."""
+        return adapter_block_keys(keys, self.name)
 
 
 class AdapterError(ValueError):
@@ -182,8 +177,7 @@ class Adapters:
             raise AdapterError(400, "InvalidUserInput",
                                f"The lora adapter '{name}' has already been loaded. If you "
                                "want to load the adapter in place, set 'load_inplace' to True.")
-        seed = hashlib.blake2b(b"lora\x00" + name.encode(), digest_size=8).digest()
-        adapter = Adapter(name, next(self._ids), path, base_model_name, seed)
+        adapter = Adapter(name, next(self._ids), path, base_model_name)
         self._by_name[name] = adapter
         return adapter
 

@@ -3,9 +3,11 @@ service that embeds emulators validates them with this model)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from duetime.emulator.core import FAULT_KINDS, Emulator, Faults
+from duetime.emulator.core import FAULT_KINDS, Emulator, Faults, LoraModule
 from duetime.engine.spec import InstanceSpec
 
 
@@ -29,11 +31,14 @@ class EmulatorOptions(BaseModel):
             raise ValueError(f"must be among {', '.join(FAULT_KINDS)}, got {v}")
         return v
 
-    def emulator(self, spec: InstanceSpec, model_name: str) -> Emulator:
+    def emulator(self, spec: InstanceSpec, model_name: str,
+                 adapters: Sequence[str] = ()) -> Emulator:
         """An emulator of ``spec`` (its unscaled timing; ``speed`` applies here) serving
-        ``model_name``."""
+        ``model_name`` and, with the config's ``max_loras``, the LoRA ``adapters`` (as if
+        started with ``--lora-modules NAME=/adapters/NAME``; loaded in order: ids 1, 2, ...)."""
         return Emulator(spec.batch_time, spec.config, model_name=model_name, speed=self.speed,
                         seed=self.seed, output_median=self.output_median,
                         faults=Faults(self.fail_rate, tuple(self.fail_kinds)),
                         enable_prefix_caching=self.enable_prefix_caching,
-                        frontend=spec.frontend)
+                        frontend=spec.frontend, max_loras=spec.config.max_loras,
+                        lora_modules=[LoraModule(a, f"/adapters/{a}") for a in adapters])

@@ -390,6 +390,18 @@ class Snapshot:
                                 f"has {cfg.usable_blocks} (config.num_gpu_blocks = "
                                 f"{cfg.num_gpu_blocks}, one is the null block)")
 
+    def live_adapters(self) -> frozenset[int]:
+        """The LoRA adapters of the requests scheduled and not finished: running ones, and
+        waiting ones with output (preempted) — what vLLM 0.32's ``vllm:lora_requests_info``
+        lists, by id."""
+        run, wait = self.running_table, self.waiting_table
+        ids: set[int] = set()
+        if run.lora is not None:
+            ids.update(run.lora[run.lora > 0].tolist())
+        if wait.lora is not None:
+            ids.update(wait.lora[(wait.lora > 0) & (wait.output > 0)].tolist())
+        return frozenset(ids)
+
     @property
     def kv_usage(self) -> float:
         """Fraction of the KV cache the running requests hold (vLLM's

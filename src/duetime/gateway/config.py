@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import zlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -99,6 +100,9 @@ class _InstanceIn(_Strict):
     # watched through the Kubernetes API: one member per pod and target port (name@pod)
     discover: Literal["none", "dns", "kubernetes"] = "none"
     inference_pool: str | None = Field(None, pattern=r"^([a-z0-9][-a-z0-9]*/)?[a-z0-9][-a-z0-9.]*$")
+    # the LoRA adapters it serves (vLLM's --lora-modules names): a request whose model is one
+    # of them may go there, and runs on it; needs config.max_loras (vLLM's --max-loras)
+    adapters: list[str] = Field(default_factory=list)
 
     @field_validator("url")
     @classmethod
@@ -306,6 +310,13 @@ class PoolSpec(_Strict):
 
 # -- resolved -----------------------------------------------------------------------------------
 
+def adapter_id(name: str) -> int:
+    """The gateway's id of the LoRA adapter ``name`` (>= 1; a CRC-32 of the name: stable
+    across reloads and replicas, distinct for any handful of names but by a 1 in 2^31
+    chance)."""
+    return 1 + zlib.crc32(name.encode()) % ((1 << 31) - 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Instance:
     """One upstream instance of the pool: where it is, what clients call its model, and its
@@ -324,6 +335,7 @@ class Instance:
     discover: str = "none"  # "dns": a group, one member per address of its URL's host;
     # "kubernetes": one member per ready pod of the InferencePool named here
     inference_pool: str | None = None
+    adapters: tuple[str, ...] = ()  # the LoRA adapters it serves (a request may name one)
 
     @property
     def batch_time(self) -> BatchTimeModel:
@@ -383,6 +395,15 @@ class Pool:
     @property
     def models(self) -> list[str]:
         return list(dict.fromkeys(i.model for i in self.instances))
+
+    @property
+    def adapter_ids(self) -> dict[str, int]:
+        """Each LoRA adapter the instances serve, by name, and the id the gateway gives it:
+        the ``lora`` its forecasts and shadow replicas run a request on (an instance's own ids
+        may differ: only equal adapters must have equal ids). A function of the name alone
+        (:func:`adapter_id`), so that a reload, or another gateway replica, gives it the
+        same."""
+        return {name: adapter_id(name) for i in self.instances for name in i.adapters}
 
     def with_policy(self, name: str, params: dict[str, Any] | None = None) -> Pool:
         """The same pool routed by another policy (``params``: its own parameters, checked);
@@ -474,6 +495,13 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     clash = sorted(set(spec.aliases) & set(models))
     if clash:
         raise fail("aliases", f"{clash} are also model names")
+    named = {a for i in insts for a in i.adapters}
+    if len({adapter_id(a) for a in named}) < len(named):
+        raise fail("instances", "two adapter names have one id (adapter_id): rename one")
+    clash = sorted(named & (set(spec.aliases) | set(models)))
+    if clash:
+        raise fail("instances", f"adapters {clash} are also model names or aliases (a "
+                   "request's model must say which it is)")
     table = _quality_table(q, workload, models, fail)
     base = Path(source).parent if Path(source).is_file() else Path.cwd()
     predictor = _predictor(q.predictor, base, models, fail)
@@ -491,7 +519,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
     if not math.isfinite(spec.lambda_):
         raise fail("lambda", "must be finite")
     policy, params = _policy(spec.policy, source)
-    auth = resolve_auth(spec.auth, base, models, spec.aliases, fail)
+    # (a key may name adapters among its models: requests name them as models)
+    auth = resolve_auth(spec.auth, base, [*models, *sorted(named)], spec.aliases, fail)
     discovery = spec.discovery
     if discovery.kubeconfig is not None:
         discovery = discovery.model_copy(update={"kubeconfig": str(base / discovery.kubeconfig)})
@@ -551,10 +580,15 @@ def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[I
                         request_overhead_s=s.request_overhead_ms / 1000.0, frontend=frontend)
         if s.discover == "dns":
             _check_dns_group(s, w, fail)
+        if s.adapters and not ispec.config.max_loras:
+            raise fail(f"{w}.adapters", "LoRA adapters need config.max_loras (vLLM's "
+                       "--max-loras, at least 1)")
+        if len(set(s.adapters)) != len(s.adapters) or not all(s.adapters):
+            raise fail(f"{w}.adapters", f"must be distinct non-empty names, got {s.adapters}")
         insts.append(Instance(s.name, s.model, s.served_model or s.model, s.url,
                               None if s.emulate is None else s.emulate.model_dump(), profile,
                               ispec, s.snapshot, s.kv_events, s.discover,
-                              s.inference_pool))
+                              s.inference_pool, tuple(s.adapters)))
     return insts
 
 

@@ -97,7 +97,7 @@ class Service:
             # ``frontend:``, in wall seconds: not scaled by the speed)
             profile = load_profile(inst.profile)  # type: ignore[arg-type]
             emu = opts.emulator(replace(profile, config=inst.config, frontend=inst.frontend),
-                                inst.served_model)
+                                inst.served_model, adapters=inst.adapters)
             token = secrets.token_urlsafe(32)
             server = await AppServer(create_app(emu, admin_token=token), host="127.0.0.1",
                                      port=0).start()

@@ -194,3 +194,17 @@ def prompt_block_keys(req: CompletionRequest, block_size: int) -> list[int]:
     if isinstance(prompt, str):
         return text_block_keys(prompt, block_size, salt=salt, limit=limit)
     return []
+
+
+def adapter_block_keys(keys: Sequence[int], adapter: str | None) -> list[int]:
+    """``keys`` of a request on LoRA adapter ``adapter`` (None: the base model's, as they
+    are): vLLM puts the adapter in every block's hash, so a prompt cached under one adapter
+    misses under another and under the base model. A key already depends on every block up to
+    it, so hashing each one with the adapter's name keeps the prefix property (same adapter,
+    same prefix: same keys). The emulator and the gateway key alike with this."""
+    if adapter is None:
+        return list(keys)
+    seed = hashlib.blake2b(b"lora\x00" + adapter.encode(), digest_size=8).digest()
+    return [int.from_bytes(hashlib.blake2b(seed + k.to_bytes(8, "little", signed=True),
+                                           digest_size=8).digest(), "little", signed=True)
+            for k in keys]

@@ -40,7 +40,7 @@ from duetime.gateway.state.membership import Membership
 from duetime.policy.base import Policy
 from duetime.web.asgi import Scope
 from duetime.web.errors import ApiError
-from duetime.web.prefix_keys import prompt_block_keys
+from duetime.web.prefix_keys import adapter_block_keys, prompt_block_keys
 from duetime.web.prompt_tokens import PromptTokenizer
 from duetime.web.requests import CompletionRequest, parse_completion, prompt_texts
 
@@ -85,6 +85,8 @@ class RequestContext:
     success: PerModel
     lengths: PerModel
     keys: KeysByBlockSize       # the prompt's block keys per block size (computed when asked)
+    lora: int = 0               # the LoRA adapter its model names (the pool's id; 0: none)
+    adapter: str | None = None  # that adapter's name (what upstream is asked for)
 
     @property
     def chat(self) -> bool:
@@ -101,6 +103,7 @@ class Intake:
         self.auth = auth
         self.policies = policies
         self.predictions = Predictions(pool)
+        self.adapter_ids = pool.adapter_ids
         self.tokenizer: PromptTokenizer | None = None
         if pool.tokenizer is not None:
             self.tokenizer = PromptTokenizer(pool.tokenizer, pool.chat_template)
@@ -122,6 +125,7 @@ class Intake:
         that apply while serving, :mod:`duetime.gateway.changes`)."""
         self.pool = pool
         self.predictions = Predictions(pool)
+        self.adapter_ids = pool.adapter_ids
 
     async def take(self, raw: bytes, scope: Scope, *, arrival: float, chat: bool | None,
                    keys: KeyCheck, allowed: Allowed | None = None) -> RequestContext:
@@ -160,10 +164,13 @@ class Intake:
         default = self.pool.default_output_tokens
         predicted = min(req.max_tokens, default) if req.max_tokens else default
         quality, success, lengths = self.predictions.predict(req, ctl.task, policy.consumes)
+        lora = self.adapter_ids.get(req.model, 0) if req.model is not None else 0
+        adapter = req.model if lora else None
         return RequestContext(
             f"dt-{self._prefix}-{next(self._ids):x}", req, ctl, arrival, key, grant, policy,
             cands, predicted, predicted if req.max_tokens else 1 << 30, quality, success,
-            lengths, KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size)))
+            lengths, KeysByBlockSize(lambda block_size: adapter_block_keys(
+                prompt_block_keys(req, block_size), adapter)), lora, adapter)
 
     def count_tokens(self, req: CompletionRequest, *, release: bool = False) -> int:
         """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in
@@ -190,11 +197,15 @@ class Intake:
         model, prompt_tokens, max_tokens = req.model, req.prompt_tokens, req.max_tokens
         if model is None or model in self.pool.aliases:
             insts = self.instances
+        elif model in self.adapter_ids:  # a LoRA adapter: the instances that serve it
+            insts = [s for s in self.instances if model in s.instance.adapters]
         else:
             found = self.by_model.get(model)
             if found is None:
                 raise ApiError(404, f"The model `{model}` does not exist. Models: "
-                               f"{', '.join([*self.pool.aliases, *self.by_model])}",
+                               f"{', '.join([*self.pool.aliases, *self.by_model])}"
+                               + (f"; LoRA adapters: {', '.join(self.adapter_ids)}"
+                                  if self.adapter_ids else ""),
                                param="model", code="model_not_found")
             insts = found
         if not insts:  # (its instances are joining or draining)

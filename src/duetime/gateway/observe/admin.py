@@ -23,7 +23,9 @@ from duetime.web.errors import ApiError
 
 
 def model_objects(gw: GatewayView) -> list[dict[str, Any]]:
-    """The pool's models as OpenAI model objects: its aliases, then each model it serves."""
+    """The pool's models as OpenAI model objects: its aliases, each model it serves, then
+    each LoRA adapter (``parent``: the models of the instances serving it, as vLLM names an
+    adapter's base model)."""
     created = int(time.time())
     data: list[dict[str, Any]] = [
         {"id": a, "object": "model", "created": created, "owned_by": "duetime"}
@@ -31,6 +33,12 @@ def model_objects(gw: GatewayView) -> list[dict[str, Any]]:
     data += [{"id": m, "object": "model", "created": created, "owned_by": "duetime",
               "instances": [s.name for s in insts]}
              for m, insts in gw.intake.by_model.items()]
+    for name in gw.intake.adapter_ids:
+        insts = [s for s in gw.intake.instances if name in s.instance.adapters]
+        parents = list(dict.fromkeys(s.model for s in insts))
+        data.append({"id": name, "object": "model", "created": created, "owned_by": "duetime",
+                     "parent": parents[0] if len(parents) == 1 else parents,
+                     "instances": [s.name for s in insts]})
     return data
 
 

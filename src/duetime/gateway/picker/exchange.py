@@ -211,7 +211,7 @@ class Exchange:
             return self._error(e)
         self._dispatch(ctx, choice, endpoint)
         self.destination = ",".join([endpoint, *self._fallbacks(ctx, choice)])
-        served = choice.inst.instance.served_model
+        served = ctx.adapter or choice.inst.instance.served_model  # (an adapter: its name)
         if ctx.req.model != served:  # (an alias: the instance knows its own name only)
             body = dict(ctx.req.body)
             body["model"] = served

@@ -87,7 +87,8 @@ class Relay:
                 self.metrics.stream_breaks.labels("continued").inc()
             r.tried.add(inst.name)
             r.number += 1
-            r.body["model"] = inst.instance.served_model
+            # (a LoRA adapter is asked for by its name: the instance serves it under it)
+            r.body["model"] = r.ctx.adapter or inst.instance.served_model
             a = self.router.dispatch(r.ctx, choice, r.number)
             if r.number == 1:
                 self.metrics.overhead.observe(time.monotonic() - ctx.arrival)

@@ -119,7 +119,7 @@ class Router:
                       for c in cands]),
             max(0.0, ctl.target_s - (now - ctx.arrival)), ctl.task, ctl.session, ctl.attempted,
             None if success is None else np.array([success[c.model] for c in cands]),
-            ctx.keys)
+            ctx.keys, lora=ctx.lora)
 
     def choose(self, ctx: RequestContext, cands: list[InstanceState], *,
                explain: bool = False) -> Choice:
@@ -181,7 +181,7 @@ class Router:
         flight = inst.new_flight(f"{ctx.rid}-{number}", ctx.req.prompt_tokens, ctx.predicted,
                                  now, choice.forecast,
                                  ctx.keys(cfg.block_size) if cfg.enable_prefix_caching
-                                 else None)
+                                 else None, ctx.lora)
         ctl = ctx.controls
         return self.lifecycle.dispatch(Attempt(
             flight, inst, number, ctx.arrival, choice.target_s, ctx.policy.name,

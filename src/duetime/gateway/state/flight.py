@@ -17,11 +17,13 @@ class Flight:
     """One upstream attempt, as the gateway observes it."""
 
     __slots__ = ("cached_tokens", "dispatched", "first_token", "forecast", "hashes", "id",
-                 "predicted", "prompt_tokens", "raw_forecast", "shadowed", "tokens")
+                 "lora", "predicted", "prompt_tokens", "raw_forecast", "shadowed", "tokens")
 
     def __init__(self, fid: str, prompt_tokens: int, predicted: int, dispatched: float,
-                 forecast: float | None, hashes: Sequence[int] | None = None) -> None:
+                 forecast: float | None, hashes: Sequence[int] | None = None,
+                 lora: int = 0) -> None:
         self.id = fid
+        self.lora = lora  # its LoRA adapter (the gateway's id; 0: the base model)
         self.prompt_tokens = prompt_tokens
         self.hashes = hashes  # its prompt's block keys at the instance's block size, if caching
         self.predicted = predicted

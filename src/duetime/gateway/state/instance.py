@@ -84,6 +84,7 @@ class InstanceState:
         self.name = instance.name
         self.model = instance.model
         self.state_spec = pool.state
+        self.adapter_ids = pool.adapter_ids  # (the pool's ids of LoRA adapters, by name)
         self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
                                    instance.price_output, self)
         self.ledger = Ledger(instance.name, flights)
@@ -219,6 +220,10 @@ class InstanceState:
         source = self.state_spec.source
         if source == "auto" and self.instance.config.enable_prefix_caching:
             return False
+        if self.instance.config.max_loras:
+            # (LoRA: the merged published state does not carry adapters yet; the replica's
+            # requests run on theirs)
+            return False
         return source in ("auto", "published") and self.published.fresh(
             now, self.state_spec.max_age_s)
 
@@ -269,6 +274,20 @@ class InstanceState:
         if self._scrape_fresh(time.monotonic()):
             return float(self.scraped.kv_usage)
         return self.snapshot().kv_usage
+
+    @property
+    def lora_adapters(self) -> tuple[frozenset[int], int]:
+        """The LoRA adapters of its requests scheduled and not finished (by the gateway's ids:
+        :attr:`~duetime.gateway.config.Pool.adapter_ids`) and its ``max_loras``: from a fresh
+        scrape of ``vllm:lora_requests_info`` where it exports one, else from the snapshot
+        (the replica's requests, on their adapters)."""
+        cfg = self.instance.config.max_loras
+        scraped = self.scraped
+        if scraped.lora_names is not None and self._scrape_fresh(time.monotonic()):
+            ids = self.adapter_ids
+            return (frozenset(ids[n] for n in scraped.lora_names if n in ids),
+                    scraped.max_lora or cfg)
+        return self.snapshot().live_adapters(), cfg
 
     @property
     def stats(self) -> InstanceStats:
@@ -331,12 +350,13 @@ class InstanceState:
     # -- the attempts --------------------------------------------------------------------------
 
     def new_flight(self, fid: str, prompt_tokens: int, predicted: int, now: float,
-                   forecast: float | None, hashes: Sequence[int] | None = None) -> Flight:
+                   forecast: float | None, hashes: Sequence[int] | None = None,
+                   lora: int = 0) -> Flight:
         """The record of an attempt about to be sent here (``hashes``: its prompt's block keys,
         with prefix caching), its cached tokens read from the cache view brought up to the KV
         events received so far (the lifecycle then dispatches it)."""
         self._apply_events(now)
-        f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes)
+        f = Flight(fid, prompt_tokens, predicted, now, forecast, hashes, lora)
         # the instance's correction learns from forecasts its own part set, not the gateway's
         # delay (a floor under every instance's forecast alike: with_gateway)
         if forecast is not None and math.isfinite(forecast) and \

@@ -124,7 +124,7 @@ class ShadowReplica(Subscriber):
         eng.add(flight.id, flight.prompt_tokens, eng.config.max_model_len,
                 predicted_output_tokens=flight.predicted, arrival=now,
                 hashes=(() if flight.hashes is None else flight.hashes) if eng.caching
-                else None)
+                else None, lora=flight.lora)
         flight.shadowed = True
 
     def observe_first(self, flight: Flight, now: float) -> None:
