@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -302,3 +303,58 @@ def test_a_base_request_batched_with_a_lora_request_answers_as_alone(
         t.join(TIMEOUT)
     assert beside["tokens"] == alone["tokens"]
     assert beside["token_logprobs"] == pytest.approx(alone["token_logprobs"], abs=1e-4)
+
+
+def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -> None:
+    """``duetime serve`` in front of the LoRA server (its ``adapters:`` and ``max_loras``): a
+    request naming an adapter is sent upstream under that name and answered on it (its
+    logprobs are the adapter's, as asked directly); one naming the model runs on the base
+    model; the gateway lists the adapters; an adapter the instance does not list is a 404."""
+    import asyncio
+
+    from duetime.gateway import pool_from_dict
+    from duetime.service import Service
+
+    pool = pool_from_dict({
+        "policy": "sfs", "quality": {"workload": None, "tasks": {"chat": {"tiny": 0.5}}},
+        "instances": [{"name": "lora", "model": "tiny", "served_model": MODEL,
+                       "url": lora_server.base_url, "profile": "qwen3-0.6b",
+                       "config": {"max_model_len": 2048, "max_loras": MAX_LORAS},
+                       "adapters": list(STATIC),
+                       "price_usd_per_mtok": {"prompt": 0.1, "output": 0.1}}],
+        "timeouts": {"connect_s": 5.0, "first_token_s": TIMEOUT, "read_s": TIMEOUT}}, "test")
+    body = {"prompt": "hello world the answer is", "max_tokens": 4, "logprobs": 3, **GREEDY}
+
+    async def go() -> tuple[dict[str, Any], dict[str, dict[str, Any]], int]:
+        svc = await Service(pool, drain_timeout_s=3.0).start()
+        try:
+            async with httpx.AsyncClient(base_url=svc.url, timeout=TIMEOUT) as c:
+                models = (await c.get("/v1/models")).json()
+                out = {}
+                for model in ("a1", "a2", "tiny"):
+                    r = await c.post("/v1/completions", json={"model": model, **body})
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-duetime-instance"] == "lora"
+                    out[model] = r.json()
+                missing = (await c.post("/v1/completions",
+                                        json={"model": RUNTIME, **body})).status_code
+            return models, out, missing
+        finally:
+            await svc.stop()
+
+    with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as direct:
+        want = {m: _complete(direct, m if m != "tiny" else MODEL).json()
+                for m in ("a1", "a2", "tiny")}
+    models, got, missing = asyncio.run(go())
+    listed = {m["id"]: m for m in models["data"]}
+    assert {"a1", "a2", "a3"} <= set(listed) and listed["a1"]["parent"] == "tiny"
+    for model in ("a1", "a2", "tiny"):
+        served = got[model]["model"]
+        assert served == (model if model != "tiny" else MODEL)
+        assert got[model]["choices"][0]["text"] == want[model]["choices"][0]["text"]
+        assert got[model]["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+            want[model]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    # (the adapters answer differently from each other: each ran on its own)
+    assert got["a1"]["choices"][0]["logprobs"]["token_logprobs"] != pytest.approx(
+        got["a2"]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    assert missing == 404
