@@ -6,6 +6,7 @@ resyncs when it returns."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -91,6 +92,26 @@ def test_one_replicas_flights_reach_the_others_listener(redis_server: RedisServe
         for s in (a, b):
             await s.close()
     asyncio.run(go())
+
+
+def test_a_flights_adapter_reaches_the_other_replicas(redis_server: RedisServer):
+    """A flight on a LoRA adapter is mirrored with it (the other replicas' shadows run it on
+    the adapter); a base-model flight is packed as before adapters (six fields)."""
+    from duetime.gateway.backends.redis_flights import _pack
+
+    async def go() -> None:
+        a, b = store(redis_server.url, "a"), store(redis_server.url, "b")
+        now = time.monotonic()
+        a.add("x", Flight("r1-0", 50, 10, now, None, lora=123456))
+        a.add("x", Flight("r2-0", 50, 10, now, None))
+        await a.sync()
+        await b.sync()
+        got = {f.id: f.lora for f in b.remote("x").values()}
+        assert got == {"a/r1-0": 123456, "a/r2-0": 0}
+        for s in (a, b):
+            await s.close()
+    asyncio.run(go())
+    assert len(json.loads(_pack(Flight("r", 5, 1, 0.0, None), 0.0))) == 6
 
 
 def test_nothing_changed_reads_nothing_and_a_closed_replica_is_forgotten_at_once(

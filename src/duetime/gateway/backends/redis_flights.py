@@ -121,18 +121,24 @@ return redis.call('ZRANGE', zset, 0, -1)
 
 
 def _pack(f: Flight, to_wall: float) -> str:
+    """A flight as the other replicas read it; its LoRA adapter only when it has one (so a
+    base-model flight is what replicas before adapters read too)."""
     hashes = (None if f.hashes is None else
               base64.b64encode(np.asarray(f.hashes, dtype=np.int64).tobytes()).decode())
-    return json.dumps([f.prompt_tokens, f.predicted, round(f.dispatched + to_wall, 6),
-                       None if f.first_token is None else round(f.first_token + to_wall, 6),
-                       f.tokens, hashes], separators=(",", ":"))
+    fields = [f.prompt_tokens, f.predicted, round(f.dispatched + to_wall, 6),
+              None if f.first_token is None else round(f.first_token + to_wall, 6),
+              f.tokens, hashes]
+    if f.lora:
+        fields.append(f.lora)
+    return json.dumps(fields, separators=(",", ":"))
 
 
 def _unpack(fid: str, raw: str, to_mono: float) -> Flight:
-    prompt, predicted, dispatched, first, tokens, hashes = json.loads(raw)
+    prompt, predicted, dispatched, first, tokens, hashes, *rest = json.loads(raw)
     keys = (None if hashes is None else
             np.frombuffer(base64.b64decode(hashes), dtype=np.int64).tolist())
-    f = Flight(fid, int(prompt), int(predicted), float(dispatched) - to_mono, None, keys)
+    f = Flight(fid, int(prompt), int(predicted), float(dispatched) - to_mono, None, keys,
+               int(rest[0]) if rest else 0)
     f.first_token = None if first is None else float(first) - to_mono
     f.tokens = int(tokens)
     return f

@@ -166,11 +166,14 @@ class Intake:
         quality, success, lengths = self.predictions.predict(req, ctl.task, policy.consumes)
         lora = self.adapter_ids.get(req.model, 0) if req.model is not None else 0
         adapter = req.model if lora else None
+        keys = (KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size))
+                if adapter is None else  # (on an adapter: its keys carry it, as vLLM's)
+                KeysByBlockSize(lambda block_size: adapter_block_keys(
+                    prompt_block_keys(req, block_size), adapter)))
         return RequestContext(
             f"dt-{self._prefix}-{next(self._ids):x}", req, ctl, arrival, key, grant, policy,
             cands, predicted, predicted if req.max_tokens else 1 << 30, quality, success,
-            lengths, KeysByBlockSize(lambda block_size: adapter_block_keys(
-                prompt_block_keys(req, block_size), adapter)), lora, adapter)
+            lengths, keys, lora, adapter)
 
     def count_tokens(self, req: CompletionRequest, *, release: bool = False) -> int:
         """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in
