@@ -162,7 +162,6 @@ def test_runtime_load_and_unload(lora_server: LoraServer, client: httpx.Client) 
 
 _SERIES = re.compile(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
-_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.M)
 
 
 def lora_series(metrics: str) -> list[tuple[dict[str, str], float]]:
@@ -181,12 +180,26 @@ def adapters_of(labels: dict[str, str], key: str) -> set[str]:
     return {a for a in labels[key].split(",") if a}
 
 
-def _streams_until_seen(client: httpx.Client, models: tuple[str, ...]
-                        ) -> tuple[dict[str, str] | None, list[str]]:
-    """Long streams on ``models`` at once; ``/metrics`` scraped until one scrape, taken while
-    requests still run, names them all as running. Returns that scrape's newest series (None
-    when the streams ended first) and every newest series seen. The streams are closed
-    (aborted) once seen."""
+_RUNNING = re.compile(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", re.M)
+
+
+@dataclass
+class Seen:
+    """What the scrapes during :func:`_streams_until_seen` showed."""
+
+    both: dict[str, str] | None  # a series set since the streams began naming them all
+    named: set[str]  # the adapters some series set since then names
+    overlapped: bool  # a scrape saw as many requests running as streams
+    series: list[str]  # every set of series seen (for the failure message)
+
+
+def _streams_until_seen(client: httpx.Client, models: tuple[str, ...]) -> Seen:
+    """Long streams on ``models`` at once; ``/metrics`` scraped until a series set since the
+    streams began names them all as running (vLLM never removes a label set, and values it
+    with the Unix time it last set it: such a series says the engine reported them together,
+    whenever the scrape came). Under load the requests may not overlap in the engine (one
+    ends before the other is scheduled): ``overlapped`` says whether a scrape saw them all
+    running. The streams are closed (aborted) once seen."""
     stop = threading.Event()
     started = threading.Barrier(len(models) + 1)
     errors: list[str] = []
@@ -209,23 +222,31 @@ def _streams_until_seen(client: httpx.Client, models: tuple[str, ...]
             errors.append(f"{model}: {exc!r}")
             started.abort()
 
+    seen = Seen(None, set(), False, [])
+
+    def look(text: str) -> None:
+        series = lora_series(text)
+        for labels, value in series:
+            if value >= t0:
+                names = adapters_of(labels, "running_lora_adapters")
+                seen.named |= names & set(models)
+                if names == set(models):
+                    seen.both = labels
+        running = _RUNNING.search(text)
+        if running is not None and float(running.group(1)) >= len(models):
+            seen.overlapped = True
+        listed = str(sorted(str(x) for x in series))
+        if not seen.series or seen.series[-1] != listed:
+            seen.series.append(listed)
+
     threads = [threading.Thread(target=stream, args=(m,), daemon=True) for m in models]
+    t0 = time.time()
     for t in threads:
         t.start()
-    seen: list[str] = []
-    found = None
     try:
         started.wait(TIMEOUT)
-        while any(t.is_alive() for t in threads):
-            text = client.get("/metrics").text
-            labels = newest(text)
-            if not seen or seen[-1] != str(labels):
-                seen.append(str(labels))
-            running = float(_RUNNING.search(text).group(1))  # type: ignore[union-attr]
-            if running >= len(models) and adapters_of(labels, "running_lora_adapters") == set(
-                    models):
-                found = labels
-                break
+        while any(t.is_alive() for t in threads) and seen.both is None:
+            look(client.get("/metrics").text)
             time.sleep(0.05)
     except threading.BrokenBarrierError:
         pass
@@ -233,24 +254,29 @@ def _streams_until_seen(client: httpx.Client, models: tuple[str, ...]
         stop.set()
         for t in threads:
             t.join(TIMEOUT)
+    look(client.get("/metrics").text)  # (a series set while they ran stays listed)
     assert not errors, errors
-    return found, seen
+    return seen
 
 
 def test_lora_requests_info_names_running_adapters(client: httpx.Client) -> None:
-    """While requests on a1 and a2 run, the newest ``vllm:lora_requests_info`` series names
-    both (comma-separated) with max_lora 2; once they are gone the newest names none, and the
-    earlier label sets stay listed."""
+    """While requests on a1 and a2 run, ``vllm:lora_requests_info`` gets series naming them
+    (valued with a Unix time since they began), one naming both (comma-separated) with
+    max_lora 2 whenever they ran together; once they are gone the newest series names none,
+    and the earlier label sets stay listed."""
     models = ("a1", "a2")
-    found, seen = None, []
-    for _ in range(METRIC_ATTEMPTS):  # (a retry only if the streams ended before a scrape)
-        found, seen = _streams_until_seen(client, models)
-        if found is not None:
+    for _ in range(METRIC_ATTEMPTS):  # (again if they did not run together: load)
+        seen = _streams_until_seen(client, models)
+        if seen.both is not None:
             break
-    assert found is not None, f"no scrape while {models} ran named them; newest seen: {seen}"
-    assert found["max_lora"] == str(MAX_LORAS)
-    # vLLM 0.32 lists every adapter with a request in flight in both labels
-    assert adapters_of(found, "waiting_lora_adapters") <= set(models)
+    assert seen.named == set(models), seen.series
+    if seen.both is None:  # (under load one may have ended before the other began)
+        assert not seen.overlapped, f"both ran at once but no series named both: {seen.series}"
+    else:
+        assert seen.both["max_lora"] == str(MAX_LORAS)
+        # vLLM 0.32 lists every adapter with a request in flight in both labels
+        assert adapters_of(seen.both, "waiting_lora_adapters") <= set(models)
+    found = seen.both
 
     # after the streams were aborted: the newest series names no adapter (polled: the
     # engine reports once it has dropped them)
@@ -263,7 +289,8 @@ def test_lora_requests_info_names_running_adapters(client: httpx.Client) -> None
         time.sleep(0.1)
     assert idle == {"max_lora": str(MAX_LORAS), "running_lora_adapters": "",
                     "waiting_lora_adapters": ""}, lora_series(text)
-    assert any(labels == found for labels, _ in lora_series(text)), lora_series(text)
+    if found is not None:  # (the label set of both stays listed)
+        assert any(labels == found for labels, _ in lora_series(text)), lora_series(text)
 
 
 @pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: a base-model request decoded in the same "
