@@ -5,8 +5,10 @@ One server of ``tiny-small`` with ``--enable-lora --max-loras 2`` and three adap
 ``--lora-modules``, started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``: ``/v1/models`` lists
 the adapters (root: the path, parent: the base model); completions on each adapter and on the
 base model succeed and differ (each adapter is applied); adapters load and unload at run time;
-``vllm:lora_requests_info`` names the adapters of running requests. A strict xfail records
-vLLM 0.32's CPU bug: a base request that shares a step with a LoRA request gets an adapter.
+``vllm:lora_requests_info`` names the adapters of running requests; the gateway routes
+requests named by adapter. (vLLM 0.32's CPU bug — a base request that shares a step with a
+LoRA request may get an adapter, depending on what its last slot holds — is described in
+``scripts/vllm_cpu/README.md``, not tested: its outcome depends on the slots' history.)
 """
 
 from __future__ import annotations
@@ -291,45 +293,6 @@ def test_lora_requests_info_names_running_adapters(client: httpx.Client) -> None
                     "waiting_lora_adapters": ""}, lora_series(text)
     if found is not None:  # (the label set of both stays listed)
         assert any(labels == found for labels, _ in lora_series(text)), lora_series(text)
-
-
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32 CPU: a base-model request decoded in the same "
-                   "step as a LoRA request gets an adapter applied (the CPU LoRA ops index "
-                   "the adapter slots with -1, 'no LoRA', which selects the last slot)")
-def test_a_base_request_batched_with_a_lora_request_answers_as_alone(
-        lora_server: LoraServer, client: httpx.Client) -> None:
-    """A base-model request answers the same (greedy, its logprobs) alone and while an adapter's
-    request decodes beside it. The premise, that the two shared the engine's steps, is checked:
-    the adapter's stream is still running when the base request has its answer."""
-    alone = _complete(client, MODEL, max_tokens=8).json()["choices"][0]["logprobs"]
-    first, stop = threading.Event(), threading.Event()
-    ended: list[bool] = []
-
-    def lora_stream() -> None:
-        with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as c, c.stream(
-                "POST", "/v1/completions", json={
-                    "model": "a1", "prompt": "another prompt", "max_tokens": LONG_TOKENS,
-                    "stream": True, **GREEDY}) as r:
-            for line in r.iter_lines():
-                first.set()
-                if stop.is_set():
-                    return
-                if line == "data: [DONE]":
-                    ended.append(True)
-        first.set()
-
-    t = threading.Thread(target=lora_stream, daemon=True)
-    t.start()
-    try:
-        assert first.wait(TIMEOUT)
-        beside = _complete(client, MODEL, max_tokens=8).json()["choices"][0]["logprobs"]
-        if ended:
-            pytest.skip("the adapter's stream ended before the base request's answer")
-    finally:
-        stop.set()
-        t.join(TIMEOUT)
-    assert beside["tokens"] == alone["tokens"]
-    assert beside["token_logprobs"] == pytest.approx(alone["token_logprobs"], abs=1e-4)
 
 
 def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -> None:
