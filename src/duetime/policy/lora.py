@@ -3,8 +3,11 @@ another adapter fits (``lora-affinity``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from duetime.policy import cache_aware
 from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest
 from duetime.policy.cache_aware import load_scorers
 from duetime.policy.registry import LOAD, LORA, SEED, Param
@@ -26,14 +29,10 @@ def lora_affinity_score(lora: int, live: frozenset[int], max_loras: int) -> floa
 
 LORA_WEIGHT = Param("lora-weight", "lora_weight", float, 1.0,
                     "weight of the lora-affinity scorer", min=0.0)
-QUEUE_WEIGHT = Param("queue-weight", "queue_weight", float, 1.0,
-                     "weight of the queue scorer (waiting requests, min-max normalised)",
-                     min=0.0)
-KV_WEIGHT = Param("kv-weight", "kv_weight", float, 1.0,
-                  "weight of the kv-cache-utilization scorer (1 - KV use)", min=0.0)
-LOAD_WEIGHT = Param("load-weight", "load_weight", float, 0.0,
-                    "weight of the load-aware scorer (0.5 (1 - min(waiting, 128) / 128))",
-                    min=0.0)
+# prefix-load's load-scorer weights, at 1 each here (see LoraAffinity)
+QUEUE_WEIGHT = replace(cache_aware.QUEUE_WEIGHT, default=1.0)
+KV_WEIGHT = replace(cache_aware.KV_WEIGHT, default=1.0)
+LOAD_WEIGHT = cache_aware.LOAD_WEIGHT
 
 
 class LoraAffinity(Policy):
