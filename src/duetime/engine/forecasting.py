@@ -538,8 +538,15 @@ class Forecaster:
         c = 0  # with prefix caching: the probe's tokens found cached at its admission
         s = int(room[2]) if room[1] else None
         if s is not None:
+            need_flags = kn.TAIL | kn.SEATS
             while True:
-                s = kn.scan_admission(self._rec, s, self._n, lora, self._loras)
+                if self._loras:  # (compiled: a cold adapter may wait a thousand steps)
+                    s = kn.scan_admission(self._rec, s, self._n, lora, self._loras)
+                else:  # (here a call into the kernel would cost a fifth of a probe)
+                    rec = self._rec
+                    while s < self._n and not (int(rec[s, 2]) & need_flags == need_flags
+                                               and rec[s, 0] > 0):
+                        s += 1
                 if s >= self._n:
                     # (a probe on a cold adapter may wait long: the base grows geometrically)
                     if not self._extend(max(p, cap, int(room[0]) if self._loras else 0)):
