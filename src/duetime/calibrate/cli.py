@@ -144,6 +144,7 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
 
     import aiohttp
 
+    from duetime.calibrate.endpoint import instance_session
     from duetime.calibrate.validation import (
         ARRIVALS,
         Client,
@@ -186,7 +187,7 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
 
     async def go() -> tuple[float, list]:
         timeout = aiohttp.ClientTimeout(total=args.request_timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with instance_session(timeout) as session:
             client = Client(args.url.rstrip("/"), args.model, session)
             await client.token_ids()
             say(f"measuring capacity ({clients} clients, {cap_requests} requests)")

@@ -49,6 +49,7 @@ from duetime.engine.batch_time import MODELS, BatchTimeModel
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.frontend import FrontendModel
 from duetime.web.cache_info import cache_config_info
+from duetime.web.limits import INSTANCE_KEEP_ALIVE_S
 
 # A text whose tokenisation gives the probes' token ids: any model's tokenizer splits it into
 # ordinary tokens (no special ids, nothing the server rejects).
@@ -247,6 +248,14 @@ def _fits(config: SchedulerConfig, n: int, prompt: int, tokens: int) -> bool:
     return n * per <= config.usable_blocks
 
 
+def instance_session(timeout: aiohttp.ClientTimeout) -> aiohttp.ClientSession:
+    """A session for probing an instance, closing idle connections before the server's
+    keep-alive would (:data:`~duetime.web.limits.INSTANCE_KEEP_ALIVE_S`): else a request
+    written on a connection as the server closes it fails with a connection reset."""
+    return aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(keepalive_timeout=INSTANCE_KEEP_ALIVE_S))
+
+
 async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int = 3,
                     prompt_lengths: list[int] | None = None, batches: list[int] | None = None,
                     decode_tokens: int = 32, decode_prompts: list[int] | None = None,
@@ -264,7 +273,7 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     samples: list[Sample] = []
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with instance_session(timeout) as session:
             p = _Prober(url, model, session, seed)
             await p.token_ids()
             await p.stream(p.prompt(16), 4)  # warm-up

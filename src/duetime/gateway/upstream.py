@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import aiohttp
 from yarl import URL
 
+from duetime.web.limits import INSTANCE_KEEP_ALIVE_S
+
 
 class UpstreamError(Exception):
     """An upstream call failed; ``kind`` is ``connect``, ``timeout`` or ``broken``."""
@@ -62,8 +64,8 @@ class Upstream:
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0,
-                                         keepalive_timeout=30.0, ttl_dns_cache=None,
-                                         enable_cleanup_closed=False)
+                                         keepalive_timeout=INSTANCE_KEEP_ALIVE_S,
+                                         ttl_dns_cache=None, enable_cleanup_closed=False)
         # no cookies, no decompression, no default headers beyond what HTTP/1.1 needs:
         # the gateway relays bytes (aiohttp turns Nagle off on its connections by itself)
         self._session = aiohttp.ClientSession(

@@ -47,6 +47,14 @@ class LimitsSpec(BaseModel):
 
 DEFAULT_LIMITS = LimitsSpec()
 
+# how long duetime's own clients of an instance (the gateway's upstream pool, `duetime
+# calibrate`, `duetime validate`) keep an idle connection: shorter than vLLM's keep-alive (its
+# API server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default), so
+# that the client closes first. A request written on a connection as the server closes it
+# gets a bare connection reset: seen once in 60 requests of `duetime validate` against vLLM in
+# CI, whose session held idle connections for aiohttp's default 15 s
+INSTANCE_KEEP_ALIVE_S = 4.0
+
 # the JSON depth limit of the request being parsed: set by the server's completion endpoint
 # for its own task (each server may have its own limits); parse_json reads it
 json_depth_limit: contextvars.ContextVar[int] = contextvars.ContextVar(
