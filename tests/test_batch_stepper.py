@@ -98,12 +98,16 @@ def test_a_stuck_engine_raises_its_own_error():
     assert str(got.value) == str(want.value)
 
 
-def test_engines_with_prefix_caching_are_left_to_the_caller():
+def test_engines_with_prefix_caching_or_lora_are_left_to_the_caller():
     cfg = SchedulerConfig(num_gpu_blocks=200, enable_prefix_caching=True)
     plain, caching = Engine(SchedulerConfig(), MODEL), Engine(cfg, MODEL)
-    stepper = BatchStepper([plain, caching])
-    assert stepper.batched.tolist() == [True, False]
-    assert stepper.advance(np.array([0, 1]), 1.0, np.zeros(2)).tolist() == [1]
+    lora = Engine(SchedulerConfig(max_loras=1), MODEL)
+    lora.add("a", 10, 2, lora=1)
+    lora.add("b", 10, 2, lora=2)
+    stepper = BatchStepper([plain, caching, lora])
+    assert stepper.batched.tolist() == [True, False, False]
+    assert stepper.advance(np.array([0, 1, 2]), 1.0, np.zeros(3)).tolist() == [1, 2]
+    assert lora.num_waiting == 2  # (not stepped)
 
 
 def test_a_big_simulated_pool_routes_the_same_with_batched_steps(monkeypatch):

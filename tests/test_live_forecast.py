@@ -1,6 +1,6 @@
 """The forecaster a live engine keeps (engine/live_forecast.py) answers exactly as a fresh
 forecast of the engine's snapshot, through any sequence of the engine's changes, with and
-without prefix caching."""
+without prefix caching, with and without LoRA adapters."""
 
 from __future__ import annotations
 
@@ -35,23 +35,31 @@ CONFIGS = {
     "cached-tight": SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4,
                                     max_model_len=2048, block_size=16, num_gpu_blocks=150,
                                     enable_prefix_caching=True),
+    # LoRA: at most 2 adapters a step (requests and probes on 4 of the usual ids and one of 63
+    # and more), with and without caching
+    "lora": SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16, max_model_len=4096,
+                            block_size=16, num_gpu_blocks=2000, max_loras=2),
+    "lora-cached": SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8,
+                                   max_model_len=2048, block_size=16, num_gpu_blocks=300,
+                                   enable_prefix_caching=True, max_loras=2),
 }
+ADAPTERS = (0, 0, 1, 2, 3, 4, 70)
 
 
-def _same(eng: Engine, probes: list[tuple[int, list[int] | None]]) -> None:
+def _same(eng: Engine, probes: list[tuple[int, list[int] | None, int]]) -> None:
     """The engine's forecaster and a fresh forecast of its snapshot agree on every probe
-    (``(prompt, block keys)``), taking turns in both orders: with prefix caching each takes
+    (``(prompt, block keys, adapter)``), taking turns in both orders: with prefix caching each takes
     the cache back from the other, or answers from its record while the other holds it."""
     fc = eng.forecaster()
     snap = eng.snapshot()
     assert fc.time == snap.time
     assert fc.streams == len(snap.running_table) + len(snap.waiting_table)
-    for i, (p, keys) in enumerate(probes):
+    for i, (p, keys, lora) in enumerate(probes):
         got: dict[str, Any] = {}
         for who in (("snap", "live") if i % 2 == 0 else ("live", "snap")):
             try:
-                got[who] = (forecast(snap, p, prompt_hashes=keys) if who == "snap"
-                            else fc.ttft(p, keys))
+                got[who] = (forecast(snap, p, prompt_hashes=keys, lora=lora) if who == "snap"
+                            else fc.ttft(p, keys, lora=lora))
             except ForecastError as e:
                 got[who] = e
         want, live = got["snap"], got["live"]
@@ -71,6 +79,7 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
     cfg = eng.config
     max_len = min(cfg.max_model_len, cfg.usable_blocks * cfg.block_size)  # (else it is stuck)
     caching = cfg.enable_prefix_caching
+    adapters = ADAPTERS if cfg.max_loras else (0,)
     systems = [[rng.getrandbits(62) for _ in range(rng.randint(2, 30))] for _ in range(3)]
 
     def keys(tokens: int) -> list[int] | None:
@@ -87,7 +96,7 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
             stop = rng.randint(1, min(200, max_len - prompt))
             pred = max(1, int(stop * rng.uniform(0.5, 1.5)))
             eng.add(rid, prompt, stop, predicted_output_tokens=pred,
-                    hashes=keys(prompt + stop))
+                    hashes=keys(prompt + stop), lora=rng.choice(adapters))
             live.append(rid)
         elif u < 0.7:
             for _ in range(rng.randint(1, 4)):
@@ -111,7 +120,7 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
         live = [r for r in live if eng.has(r)]
         # two probes per change, one of them after the other (a kept base's later probe)
         probes = [rng.randint(1, cfg.max_model_len + 100), rng.choice((1, 17, 300, 1000))]
-        _same(eng, [(p, keys(p)) for p in probes])
+        _same(eng, [(p, keys(p), rng.choice(adapters)) for p in probes])
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])

@@ -11,7 +11,8 @@ engine's arrays in one typed list and steps the due ones in one call, each exact
 :meth:`~duetime.engine.engine.Engine.run_until` would (the same kernel, the same step noise,
 the clock of an engine that went idle brought to the time, its load summary published).
 
-Engines with prefix caching (their cache is lent to forecasts between steps) are not batched:
+Engines with prefix caching (their cache is lent to forecasts between steps) or LoRA adapters
+(their kernel is compiled with the adapter rule, from arrays of other types) are not batched:
 the caller steps those itself.
 """
 
@@ -40,7 +41,7 @@ def advance_due(slots, noise, publish, due, t, busy):  # pragma: no cover - jit
         k = due[j]
         req, stamps, run, wq, st, clock, cfg, w, work, out, pred, row = slots[k]
         code, _ = kn.run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, None, None,
-                               None, None, None, t, False, noise[k])
+                               None, None, None, None, t, False, noise[k])
         if code < 0:
             return j
         if code == kn.IDLE and t != math.inf and t > clock[0]:  # Engine.set_clock(t)
@@ -74,15 +75,18 @@ def warm_up_stepper() -> None:
     _warm = True
 
 
+def _batchable(engine: Engine | None) -> bool:
+    return engine is not None and not engine.caching and not engine.config.max_loras
+
+
 class BatchStepper:
     """Steps a pool's engines to a time in one compiled call (see the module doc).
     ``engines[k]`` is ``None`` for an instance the caller steps itself."""
 
     def __init__(self, engines: Sequence[Engine | None]) -> None:
         self._engines = list(engines)
-        usable = [e for e in self._engines if e is not None and not e.caching]
-        self.batched = np.array([e is not None and not e.caching for e in self._engines],
-                                dtype=bool)
+        self.batched = np.array([_batchable(e) for e in self._engines], dtype=bool)
+        usable = [e for e, b in zip(self._engines, self.batched, strict=True) if b]
         self._slots = typed.List()
         self._noise = np.array([e.noise if e is not None else 0.0 for e in self._engines])
         self._publish = np.zeros(len(self._engines), dtype=np.bool_)

@@ -162,6 +162,7 @@ class Engine:
         self._w = np.array(model.weights, dtype=np.float64)
         self._floor_w = self._floor_weights()
         self._work = np.zeros((kn.WORK_ROWS, n), dtype=np.int64)
+        self._adapters = kn.adapter_scratch(config.max_loras, n)  # (None without LoRA)
         self._out = np.zeros(kn.OUT_SIZE, dtype=np.int64)
         # prefix caching: the block pool and the arenas of blocks and known keys (kernel doc)
         self.caching = config.enable_prefix_caching
@@ -461,6 +462,7 @@ class Engine:
         self._wq[:len(waiting)] = waiting
         self._st[kn.WH] = 0
         self._work = np.zeros((kn.WORK_ROWS, 2 * old), dtype=np.int64)
+        self._adapters = kn.adapter_scratch(self.config.max_loras, 2 * old)
         self._relaid()
 
     def _changed(self) -> None:
@@ -485,8 +487,8 @@ class Engine:
     def kernel_arrays(self) -> tuple:
         """The arrays the compiled scheduler steps, for a caller that steps many engines at
         once (:class:`~duetime.engine.batch_stepper.BatchStepper`; engines without prefix
-        caching): req, stamps, run, wq, st, clock, cfg, weights, work, out, the predicted
-        lengths, the load row (or ``None``). Valid until :meth:`watch_layout` says not."""
+        caching or LoRA adapters): req, stamps, run, wq, st, clock, cfg, weights, work, out,
+        the predicted lengths, the load row (or ``None``). Valid until :meth:`watch_layout` says not."""
         return (self._req, self._stamps, self._run, self._wq, self._st, self._clock,
                 self._cfg, self._w, self._work, self._out, self._pred, self._load_row)
 
@@ -530,6 +532,7 @@ class Engine:
         self._wq[:len(wait_rows)] = np.searchsorted(live, wait_rows)
         self._st[kn.WH] = 0
         self._work = np.zeros((kn.WORK_ROWS, size), dtype=np.int64)
+        self._adapters = kn.adapter_scratch(self.config.max_loras, size)
         self._changed()
         self._relaid()
 
@@ -546,7 +549,7 @@ class Engine:
             before = self._req[rows, kn.OUTPUT]
         got = kn.step(self._req, self._stamps, self._run, self._wq, self._st, self._clock,
                       self._cfg, self._w, self._work, self._out, self._pool, self._kmap,
-                      self._rb, self._rk, None, self.noise)
+                      self._rb, self._rk, None, self._adapters, self.noise)
         out = self._out
         self._publish()
         self._raise_if_stuck(got, int(out[4]))
@@ -579,13 +582,13 @@ class Engine:
         if self._load_row is None:
             code, detail = kn.run_until(self._req, self._stamps, self._run, self._wq, self._st,
                                         self._clock, self._cfg, self._w, self._work, self._out,
-                                        self._pool, self._kmap, self._rb, self._rk, None, t,
-                                        stop_on_finish, self.noise)
+                                        self._pool, self._kmap, self._rb, self._rk, None,
+                                        self._adapters, t, stop_on_finish, self.noise)
         else:
             code, detail = run_until_publishing(
                 self._req, self._stamps, self._run, self._wq, self._st, self._clock, self._cfg,
-                self._w, self._work, self._out, self._pool, self._kmap, self._rb, self._rk, t,
-                stop_on_finish, self.noise, self._pred, self._load_row)
+                self._w, self._work, self._out, self._pool, self._kmap, self._rb, self._rk,
+                self._adapters, t, stop_on_finish, self.noise, self._pred, self._load_row)
         if code < 0:
             self._raise_if_stuck(code, detail)
         if code == kn.IDLE and t != float("inf"):
@@ -897,7 +900,8 @@ class Engine:
                     rec_t: np.ndarray, room: np.ndarray, target: int,
                     max_steps: int) -> tuple[int, int, int]:
         """Read the current state into a forecaster's replay arrays ``state`` (req, stamps,
-        run, wq, st, clock, cfg, weights), as a snapshot of it would be replayed, and record
+        run, wq, st, clock, cfg, weights, the LoRA scratch or None: see
+        :mod:`~duetime.engine.scheduler_kernel`), as a snapshot of it would be replayed, and record
         its base from the start (:func:`~duetime.engine.scheduler_kernel.live_base`; without
         prefix caching)."""
         return kn.live_base(self._req, self._pred, self._run, self._wq, self._st, sigma,

@@ -145,12 +145,16 @@ def replay_state(cfg: SchedulerConfig, model: BatchTimeModel, running: tuple, wa
     state gives (:func:`_state`), and what a live engine's forecaster reads without one."""
     cfg_arr = config_array(cfg)
     r_lora, w_lora = loras
-    if (r_lora is None) != (w_lora is None):  # (the kernel takes both or neither)
+    if r_lora is None and w_lora is None:  # (two arguments fewer to dispatch)
+        req, stamps, running_rows, wq, st, clock = kn.prepare(
+            *running, *waiting, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma,
+            0.0)
+    else:  # (the kernel takes both or neither)
         r_lora = np.zeros(len(running[0]), np.int64) if r_lora is None else r_lora
         w_lora = np.zeros(len(waiting[0]), np.int64) if w_lora is None else w_lora
-    req, stamps, running_rows, wq, st, clock = kn.prepare(
-        *running, *waiting, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma, 0.0,
-        r_lora, w_lora)
+        req, stamps, running_rows, wq, st, clock = kn.prepare(
+            *running, *waiting, cfg.block_size, cfg_arr[kn.SHIFT], cfg.usable_blocks, sigma,
+            0.0, r_lora, w_lora)
     caching = prefix is not None and cfg.enable_prefix_caching
     if st[kn.FREE] < 0 and not caching:  # (with caching, shared blocks count once: below)
         raise ForecastError(f"snapshot: the running requests hold "
@@ -159,7 +163,8 @@ def replay_state(cfg: SchedulerConfig, model: BatchTimeModel, running: tuple, wa
                             "one is the null block)")
     if probe is not None:
         req[-1, kn.PROMPT], req[-1, kn.STOP] = probe
-        req[-1, kn.LORA] = probe_lora
+        if probe_lora:
+            req[-1, kn.LORA] = probe_lora
         st[kn.WC] += 1
     pool = kn.NO_POOL
     if caching:
@@ -168,7 +173,8 @@ def replay_state(cfg: SchedulerConfig, model: BatchTimeModel, running: tuple, wa
                                         probe_hashes)
         except ValueError as e:
             raise ForecastError(str(e)) from None
-    return (req, stamps, running_rows, wq, st, clock, cfg_arr, weights_array(model), *pool)
+    return (req, stamps, running_rows, wq, st, clock, cfg_arr, weights_array(model), *pool,
+            kn.adapter_scratch(cfg.max_loras, req.shape[0]) if cfg.max_loras else None)
 
 
 def _give_back(state: tuple) -> None:
@@ -508,7 +514,8 @@ class Forecaster:
     def _ttft(self, prompt_tokens: int,
               prompt_hashes: Sequence[int] | np.ndarray | None, lora: int) -> Forecast:
         _check_probe(self.config, prompt_tokens, None, "first_token")
-        lora = _check_lora(lora)
+        if lora:
+            lora = _check_lora(lora)
         p = int(prompt_tokens)
         cap = self._cap
         bs = self._bs
@@ -539,22 +546,24 @@ class Forecaster:
         s = int(room[2]) if room[1] else None
         if s is not None:
             need_flags = kn.TAIL | kn.SEATS
+            loras = self._loras
             while True:
-                if self._loras:  # (compiled: a cold adapter may wait a thousand steps)
-                    s = kn.scan_admission(self._rec, s, self._n, lora, self._loras)
-                else:  # (here a call into the kernel would cost a fifth of a probe)
-                    rec = self._rec
-                    while s < self._n and not (int(rec[s, 2]) & need_flags == need_flags
-                                               and rec[s, 0] > 0):
-                        s += 1
+                if loras:  # (compiled: a cold adapter may wait a thousand steps)
+                    s = kn.scan_admission(self._rec, s, self._n, lora, loras)
                 if s >= self._n:
                     # (a probe on a cold adapter may wait long: the base grows geometrically)
-                    if not self._extend(max(p, cap, int(room[0]) if self._loras else 0)):
+                    if not self._extend(max(p, cap, int(room[0]) if loras else 0)):
                         s = None
                         break
                     continue
-                la, free = self._rec[s, :2].tolist()
-                if self._loras and lora > 0 and self._rec[s, 3] > self._loras:
+                # (one row read as Python ints: a call into the kernel, or reading its
+                # fields one by one, would cost a fifth of a probe here)
+                row = self._rec[s].tolist()
+                la, free, flags = row[0], row[1], row[2]
+                if flags & need_flags != need_flags or la <= 0:
+                    s += 1
+                    continue
+                if loras and lora > 0 and row[3] > loras:
                     # the step ran more adapters than max_loras (a snapshot vLLM would not
                     # make): its record lists only the first ones
                     return self._replay(p, keys, lora)

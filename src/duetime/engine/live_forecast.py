@@ -140,7 +140,8 @@ class LiveForecaster(Forecaster):
         return (np.zeros((rows, kn.REQ_COLUMNS), dtype=np.int64), np.empty((rows, 2)),
                 np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64),
                 np.zeros(kn.ST_SIZE, dtype=np.int64), np.zeros(1), config_array(self.config),
-                weights_array(self._model), *kn.NO_POOL)
+                weights_array(self._model), *kn.NO_POOL,
+                kn.adapter_scratch(self.config.max_loras, rows))
 
     def _fresh_state(self) -> tuple:
         """With prefix caching: the engine's current state, its cache borrowed."""
@@ -161,7 +162,8 @@ class LiveForecaster(Forecaster):
         self.rebuilds += 1
         target = max(more, 1)
         while True:  # one compiled call: the engine's state read in, the base recorded
-            code, n, rows = self._engine.replay_base(self.sigma, self._state[:8], self._rec,
+            code, n, rows = self._engine.replay_base(self.sigma, (*self._state[:8],
+                                                                  self._state[13]), self._rec,
                                                      self._cum, self._rec_t, self._room,
                                                      target, self.max_steps)
             if n >= 0:

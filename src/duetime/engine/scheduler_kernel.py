@@ -48,6 +48,11 @@ Layout (all int64 unless noted; request ``r`` is an index):
   function without the caching branches (it prunes ``if kmap is not None`` for a ``None``
   argument, in the inlined helpers too), as fast as before caching existed (a runtime flag
   cost the forecasts ~30%);
+* ``adapters``: with ``max_loras``, the step's LoRA scratch (``LORA_ROWS``, N): the rows
+  skipped for their adapters, the step's adapters (:func:`adapter_scratch`); ``None`` without:
+  numba then compiles the kernel without the adapter rule as it does without caching (a
+  runtime test of ``max_loras`` cost the forecasts without adapters 10-30%, measured with
+  ``benchmarks/ab.py``);
 * ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
   order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
 """
@@ -86,9 +91,10 @@ BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC, MAXLORAS =
 CFG_SIZE = 11
 # step()'s ``out``: see step()
 OUT_SIZE = 12
-# step()'s ``work`` rows: finished rows, first tokens, skipped rows (max_loras), the step's
-# adapters (max_loras)
-WORK_ROWS = 4
+# step()'s ``work`` rows: finished rows, first tokens
+WORK_ROWS = 2
+# rows of the LoRA scratch (``adapters``, with max_loras): skipped rows, the step's adapters
+LORA_ROWS = 2
 
 # step() results (>= 0: number of requests scheduled)
 STUCK = -1      # nothing can be scheduled now and nothing changed (without arrivals: forever)
@@ -102,6 +108,12 @@ FINISHED = 4    # run_until: a request finished (asked to stop there)
 
 # the pool arguments of a kernel without prefix caching (see the module doc)
 NO_POOL = (None, None, None, None, None)
+
+
+def adapter_scratch(max_loras: int, rows: int) -> np.ndarray | None:
+    """The ``adapters`` argument for ``rows`` requests: None without ``max_loras`` (see the
+    module doc)."""
+    return np.zeros((LORA_ROWS, rows), dtype=np.int64) if max_loras else None
 
 # flag bits recorded per base step
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
@@ -183,7 +195,7 @@ def prepare(r_prompt, r_comp, r_out, r_pred, w_prompt, w_out, w_pred, bs, shift,
 
 @njit(cache=True, nogil=True)
 def live_base(e_req, e_pred, e_run, e_wq, e_st, sigma, req, stamps, run, wq, st, clock, cfg, w,
-              rec, cum, rec_t, room, target, max_steps):  # pragma: no cover - jit
+              adapters, rec, cum, rec_t, room, target, max_steps):  # pragma: no cover - jit
     """A live engine's state (its arrays ``e_*``; ``e_pred``: the predicted output lengths by
     row) read into a forecaster's replay arrays as :func:`prepare` makes them from its snapshot
     (the running rows in order, then the waiting queue from its head), and its base recorded
@@ -201,31 +213,32 @@ def live_base(e_req, e_pred, e_run, e_wq, e_st, sigma, req, stamps, run, wq, st,
     r_comp = np.empty(nrun, dtype=np.int64)
     r_out = np.empty(nrun, dtype=np.int64)
     r_pred = np.empty(nrun, dtype=np.int64)
-    r_lora = np.empty(nrun, dtype=np.int64)
     for i in range(nrun):
         r = e_run[i]
         r_prompt[i] = e_req[r, PROMPT]
         r_comp[i] = e_req[r, COMP]
         r_out[i] = e_req[r, OUTPUT]
         r_pred[i] = e_pred[r]
-        r_lora[i] = e_req[r, LORA]
     w_prompt = np.empty(nw, dtype=np.int64)
     w_out = np.empty(nw, dtype=np.int64)
     w_pred = np.empty(nw, dtype=np.int64)
-    w_lora = np.empty(nw, dtype=np.int64)
     for i in range(nw):
         r = e_wq[(wh + i) % n_q]
         w_prompt[i] = e_req[r, PROMPT]
         w_out[i] = e_req[r, OUTPUT]
         w_pred[i] = e_pred[r]
-        w_lora[i] = e_req[r, LORA]
     fill_replay(req, stamps, run, wq, st, clock, r_prompt, r_comp, r_out, r_pred, w_prompt,
-                w_out, w_pred, cfg[BS], cfg[SHIFT], cfg[NBLOCKS], sigma, 0.0, r_lora, w_lora)
+                w_out, w_pred, cfg[BS], cfg[SHIFT], cfg[NBLOCKS], sigma, 0.0)
+    if adapters is not None:  # (max_loras) the adapters, in the same rows
+        for i in range(nrun):
+            req[i, LORA] = e_req[e_run[i], LORA]
+        for i in range(nw):
+            req[nrun + i, LORA] = e_req[e_wq[(wh + i) % n_q], LORA]
     if st[FREE] < 0:
         return FULL, -1, -1
     room[:] = 0
-    return run_base(req, stamps, run, wq, st, clock, cfg, w, None, None, None, None, None, rec,
-                    cum, rec_t, 0, room, target, max_steps)
+    return run_base(req, stamps, run, wq, st, clock, cfg, w, None, None, None, None, None,
+                    adapters, rec, cum, rec_t, 0, room, target, max_steps)
 
 
 @njit(cache=True, nogil=True)
@@ -378,25 +391,25 @@ def requeue(req, v, wq, wh):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True, inline="always")
-def has_adapter(work, nl, mask, a):  # pragma: no cover - jit
-    """Whether adapter ``a`` is among the step's ``nl`` adapters (``work[3, :nl]``; those
+def has_adapter(adapters, nl, mask, a):  # pragma: no cover - jit
+    """Whether adapter ``a`` is among the step's ``nl`` adapters (``adapters[1, :nl]``; those
     below 63 also as bits of ``mask``: one test for the usual ids, where the list would cost
     ``max_loras`` per scheduled request)."""
     if a < 63:
         return (mask >> a) & 1 == 1
     found = False
     for j in range(nl):
-        if work[3, j] == a:
+        if adapters[1, j] == a:
             found = True
     return found
 
 
 @njit(cache=True, nogil=True, inline="always")
-def add_adapter(work, nl, mask, a):  # pragma: no cover - jit
+def add_adapter(adapters, nl, mask, a):  # pragma: no cover - jit
     """The step's adapters with ``a`` (> 0; 0, the base model, is none) added if new;
     returns their count and mask."""
-    if a > 0 and not has_adapter(work, nl, mask, a):
-        work[3, nl] = a
+    if a > 0 and not has_adapter(adapters, nl, mask, a):
+        adapters[1, nl] = a
         nl += 1
         if a < 63:
             mask |= 1 << a
@@ -404,15 +417,15 @@ def add_adapter(work, nl, mask, a):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True, inline="always")
-def list_adapters(work, nbig, mask):  # pragma: no cover - jit
-    """The running phase's adapters listed in ``work[3]``: the ids of 63 and more already
+def list_adapters(adapters, nbig, mask):  # pragma: no cover - jit
+    """The running phase's adapters listed in ``adapters[1]``: the ids of 63 and more already
     there (``nbig``), then those of ``mask``'s bits; returns their count."""
     nl = nbig
     m = mask
     a = 0
     while m != 0:
         if m & 1:
-            work[3, nl] = a
+            adapters[1, nl] = a
             nl += 1
         m >>= 1
         a += 1
@@ -420,17 +433,17 @@ def list_adapters(work, nbig, mask):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True, inline="always")
-def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
-                     undo):  # pragma: no cover - jit
+def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk, undo,
+                     adapters):  # pragma: no cover - jit
     """Phase 1 (vLLM's ``schedule()``, "schedule the RUNNING requests"): each running request
     in order, while budget remains, gets its next chunk; while too few blocks are free for it,
     the newest running request is preempted (maybe itself: then it is not scheduled and the
     phase ends). Asynchronously, a request whose token in flight is its last, or reaches
     ``max_model_len``, is left out. Writes ``out[0]`` (budget left) and ``out[7]``
-    (preemptions) and ``out[10]``: with ``max_loras``, the distinct adapters of the requests
-    scheduled, listed in ``work[3]``; returns (requests scheduled, terms, outs)."""
+    (preemptions) and ``out[10]``: with ``max_loras`` (``adapters`` not None), the distinct
+    adapters of the requests scheduled, listed in ``adapters[1]``; returns (requests
+    scheduled, terms, outs)."""
     budget, bs, shift, max_len, asyn = cfg[BUDGET], cfg[BS], cfg[SHIFT], cfg[MAXLEN], cfg[ASYNC]
-    lora_on = cfg[MAXLORAS] > 0
     free, nrun, wh, wc = st[FREE], st[NRUN], st[WH], st[WC]
     nl = 0
     mask = 0
@@ -478,34 +491,36 @@ def schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk,
                 register_blocks(req, r, pool, kmap, rb, rk, t, bs, undo)
         budget -= n
         ns += 1
-        if lora_on:  # (the usual ids as bits: no array written per request; bit 0, the
-            a = req[r, LORA]  # base model, is cleared after the loop)
+        if adapters is not None:  # (the usual ids as bits: no array written per request;
+            a = req[r, LORA]  # bit 0, the base model, is cleared after the loop)
             if a < 63:
                 mask |= 1 << a
             else:
-                nl, mask = add_adapter(work, nl, mask, a)
+                nl, mask = add_adapter(adapters, nl, mask, a)
         terms = batch_terms(terms, c, n, length, outputs)
         if advance(req, r, c, n, length, pend, asyn):
             outs = sample(req, r, max_len, work, outs)
     st[FREE], st[NRUN], st[WH], st[WC] = free, nrun, wh, wc
     out[0] = budget
     out[7] = preempted
-    out[10] = list_adapters(work, nl, mask & ~1) if lora_on else 0
+    out[10] = 0
+    if adapters is not None:
+        out[10] = list_adapters(adapters, nl, mask & ~1)
     return ns, terms, outs
 
 
 @njit(cache=True, nogil=True, inline="always")
-def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, rb, rk,
-                     undo):  # pragma: no cover - jit
+def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, rb, rk, undo,
+                     adapters):  # pragma: no cover - jit
     """Phase 2 (vLLM's "schedule the WAITING requests"; only in a step that preempted
     nobody): the waiting queue's head, FCFS, while budget and a seat remain, gets its first
     chunk if the block ledger admits it (its whole sequence fits, with the watermark while
     others run); if not, admission stops: nobody behind it is admitted. With prefix caching, a
     request with nothing computed first looks up its cached prefix: only the rest is computed,
     and a hit on a block nobody holds costs a free block. With ``max_loras``, a request whose
-    adapter is not among the step's adapters (``work[3, :out[10]]``) when they are
+    adapter is not among the step's adapters (``adapters[1, :out[10]]``) when they are
     ``max_loras`` already is skipped, before any lookup: it leaves the queue for the rest of
-    the phase (listed in ``work[2]``) and goes back to its front, in queue order, when the
+    the phase (listed in ``adapters[0]``) and goes back to its front, in queue order, when the
     phase ends. Takes the budget from ``out[0]``, writes ``out[1]`` (budget left),
     ``out[8]`` / ``out[9]`` (prefix-cache queries and hits), ``out[10]`` (the step's
     adapters), ``out[11]`` (1 if the phase went through the whole queue: each request
@@ -519,20 +534,23 @@ def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, r
     hit_tokens = 0
     nl = out[10]
     mask = 0
-    for j in range(nl):  # (the running phase's adapters)
-        if work[3, j] < 63:
-            mask |= 1 << work[3, j]
+    if adapters is not None:
+        for j in range(nl):  # (the running phase's adapters)
+            if adapters[1, j] < 63:
+                mask |= 1 << adapters[1, j]
     nskip = 0
     blocked = False  # the head was not admitted (a flag, not a ``break``: see above)
     while not blocked and wc > 0 and budget > 0 and nrun < max_seqs:
         r = wq[wh]
-        a = req[r, LORA] if max_loras > 0 else 0
-        if a > 0 and nl >= max_loras and not has_adapter(work, nl, mask, a):
-            work[2, nskip] = r  # its adapter would exceed max_loras: skipped
-            nskip += 1
-            wh = (wh + 1) % n_q
-            wc -= 1
-            continue
+        a = 0
+        if adapters is not None:
+            a = req[r, LORA]
+            if a > 0 and nl >= max_loras and not has_adapter(adapters, nl, mask, a):
+                adapters[0, nskip] = r  # its adapter would exceed max_loras: skipped
+                nskip += 1
+                wh = (wh + 1) % n_q
+                wc -= 1
+                continue
         c = req[r, COMP]
         pend = req[r, PEND] if asyn else 0
         outputs = req[r, OUTPUT] + pend
@@ -575,16 +593,17 @@ def schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, r
                 register_blocks(req, r, pool, kmap, rb, rk, t, bs, undo)
         budget -= n
         ns += 1
-        if a > 0:
-            nl, mask = add_adapter(work, nl, mask, a)
+        if adapters is not None:
+            nl, mask = add_adapter(adapters, nl, mask, a)
         terms = batch_terms(terms, c, n, length, outputs)
         if advance(req, r, c, n, length, pend, asyn):
             outs = sample(req, r, max_len, work, outs)
     out[11] = 1 if not blocked and wc == 0 else 0
-    for j in range(nskip - 1, -1, -1):  # the skipped go back to the front, in queue order
-        wh = wh - 1 if wh > 0 else n_q - 1
-        wq[wh] = work[2, j]
-        wc += 1
+    if adapters is not None:
+        for j in range(nskip - 1, -1, -1):  # the skipped go back to the front, in queue order
+            wh = wh - 1 if wh > 0 else n_q - 1
+            wq[wh] = adapters[0, j]
+            wc += 1
     st[FREE], st[NRUN], st[WH], st[WC] = free, nrun, wh, wc
     out[10] = nl
     st[PQ] += queried
@@ -723,7 +742,7 @@ def watch_livelock(st, wq):  # pragma: no cover - jit
 
 @njit(cache=True, nogil=True, error_model="numpy")  # (see "How the helpers are written")
 def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, undo,
-         noise=0.0, extra=0):  # pragma: no cover - jit
+         adapters, noise=0.0, extra=0):  # pragma: no cover - jit
     """One scheduler step, phase by phase as vLLM's ``Scheduler.schedule()`` and
     ``update_from_output`` take it (``docs/scheduling-rules.md``): the running requests
     (:func:`schedule_running`), the waiting ones if nobody was preempted
@@ -738,7 +757,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     after the running phase, after admission, free blocks after allocation, flags, the
     waiting head (on STUCK), first tokens, finished, preempted, prefix-cache queries and hits
     (tokens, of the admitted requests that looked up), the step's adapters (with
-    ``max_loras``: ``work[3, :out[10]]``), whether admission went through the whole queue];
+    ``max_loras``: ``adapters[1, :out[10]]``), whether admission went through the whole
+    queue];
     the rows that got their first token are ``work[1, :out[5]]`` and those that finished
     ``work[0, :out[6]]``. Returns the number of
     scheduled requests, or STUCK. ``noise`` > 0 multiplies the step's duration by a mean-one
@@ -752,12 +772,13 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
         undo[U_STAMP] = 2 * st[K]
     # a lone request ignores the long-prefill threshold (nobody to starve)
     cap = cfg[CAP] if st[NRUN] + st[WC] + extra > 1 else cfg[BUDGET]
-    tally = schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk, undo)
+    tally = schedule_running(req, run, wq, st, cfg, cap, work, out, pool, kmap, rb, rk, undo,
+                             adapters)
     preempted = out[7]
     ns_running = tally[0]
     if preempted == 0:
         tally = schedule_waiting(req, run, wq, st, cfg, cap, work, out, tally, pool, kmap, rb,
-                                 rk, undo)
+                                 rk, undo, adapters)
     else:  # nobody is admitted in a step that preempted
         out[1], out[8], out[9], out[11] = out[0], 0, 0, 0
     ns, terms, outs = tally
@@ -797,8 +818,8 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
 
 
 @njit(cache=True, nogil=True)
-def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, probe,
-              until_finish, max_steps):  # pragma: no cover - jit
+def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, adapters,
+              probe, until_finish, max_steps):  # pragma: no cover - jit
     """Step until ``probe`` gets its first token (or finishes). Returns (code, detail)."""
     work = np.empty((WORK_ROWS, run.shape[0]), dtype=np.int64)
     out = np.zeros(OUT_SIZE, dtype=np.int64)
@@ -809,21 +830,21 @@ def run_probe(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo,
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
         got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
-                   undo)
+                   undo, adapters)
         if got < 0:
             return got, out[4]
     return REACHED, 0
 
 
 @njit(cache=True, nogil=True)
-def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, rec, cum,
-             rec_t, n_rec, room, target, max_steps):  # pragma: no cover - jit
+def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, adapters, rec,
+             cum, rec_t, n_rec, room, target, max_steps):  # pragma: no cover - jit
     """Step and record until the probe room since admission first reached the queue's tail
     reaches ``target``.
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
-    flags]`` — with ``max_loras``, then the number of the step's adapters and the adapters
-    (``rec`` has ``4 + max_loras`` columns) —, ``rec_t[s]`` = its end time, and prefix sums
+    flags]`` — with ``max_loras`` (``adapters`` not None), then the number of the step's
+    adapters and the adapters (``rec`` has ``4 + max_loras`` columns) —, ``rec_t[s]`` = its end time, and prefix sums
     ``cum[s + 1]`` (``cum[0]`` = 0) of y = min(cap, budget left after the running phase) — the
     tokens a probe at the tail of the running order could get —, of y², of the steps with y >
     0 and of the steps that preempted, ran no model or admitted a request (steps whose
@@ -845,18 +866,18 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, 
         if st[K] >= max_steps:
             return STEP_CAP, n_rec, 0
         got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
-                   undo, 0.0, 1)
+                   undo, adapters, 0.0, 1)
         if got < 0:
             return got, n_rec, out[4]
         y = cap if out[0] > cap else out[0]
         rec[n_rec, 0] = out[1]
         rec[n_rec, 1] = out[2]
         rec[n_rec, 2] = out[3]
-        if rec.shape[1] > 3:  # max_loras: the step's adapters
+        if adapters is not None:  # max_loras: the step's adapters
             nl = out[10]
             rec[n_rec, 3] = nl
             for j in range(min(nl, rec.shape[1] - 4)):  # (more than max_loras: see Forecaster)
-                rec[n_rec, 4 + j] = work[3, j]
+                rec[n_rec, 4 + j] = adapters[1, j]
         rec_t[n_rec] = clock[0]
         cum[n_rec + 1, 0] = cum[n_rec, 0] + y
         cum[n_rec + 1, 1] = cum[n_rec, 1] + y * y
@@ -913,7 +934,7 @@ def prefill_backlog(req, run, wq, st):  # pragma: no cover - jit
 
 @njit(cache=True, nogil=True)
 def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk, undo,
-              t_limit, stop_on_finish, noise):  # pragma: no cover - jit
+              adapters, t_limit, stop_on_finish, noise):  # pragma: no cover - jit
     """Step while the clock is before ``t_limit`` (a step that starts before it may end after
     it). Returns (code, detail): REACHED, IDLE, FINISHED (``stop_on_finish``: the step's
     finished rows are ``work[0, :out[6]]``), or STUCK (detail: the waiting head's row)."""
@@ -921,7 +942,7 @@ def run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb
         if st[NRUN] == 0 and st[WC] == 0:
             return IDLE, 0
         got = step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
-                   undo, noise)
+                   undo, adapters, noise)
         if got < 0:
             return got, out[4]
         if stop_on_finish and out[6] > 0:

@@ -104,12 +104,12 @@ def summarize(req, pred, run, wq, st, clock, cfg, w, row):  # pragma: no cover -
 
 @njit(cache=True, nogil=True)
 def run_until_publishing(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb,
-                         rk, t_limit, stop_on_finish, noise, pred,
+                         rk, adapters, t_limit, stop_on_finish, noise, pred,
                          row):  # pragma: no cover - jit
     """:func:`scheduler_kernel.run_until`, then the engine's summary into ``row``: one call where
     two cost a second dispatch (the simulator makes one per busy engine and arrival)."""
     code, detail = kn.run_until(req, stamps, run, wq, st, clock, cfg, w, work, out, pool,
-                                kmap, rb, rk, None, t_limit, stop_on_finish, noise)
+                                kmap, rb, rk, None, adapters, t_limit, stop_on_finish, noise)
     summarize(req, pred, run, wq, st, clock, cfg, w, row)
     return code, detail
 
