@@ -514,7 +514,7 @@ class Forecaster:
     def _ttft(self, prompt_tokens: int,
               prompt_hashes: Sequence[int] | np.ndarray | None, lora: int) -> Forecast:
         _check_probe(self.config, prompt_tokens, None, "first_token")
-        if lora:
+        if lora and (type(lora) is not int or lora < 0):
             lora = _check_lora(lora)
         p = int(prompt_tokens)
         cap = self._cap
@@ -548,8 +548,6 @@ class Forecaster:
             need_flags = kn.TAIL | kn.SEATS
             loras = self._loras
             while True:
-                if loras:  # (compiled: a cold adapter may wait a thousand steps)
-                    s = kn.scan_admission(self._rec, s, self._n, lora, loras)
                 if s >= self._n:
                     # (a probe on a cold adapter may wait long: the base grows geometrically)
                     if not self._extend(max(p, cap, int(room[0]) if loras else 0)):
@@ -560,8 +558,12 @@ class Forecaster:
                 # fields one by one, would cost a fifth of a probe here)
                 row = self._rec[s].tolist()
                 la, free, flags = row[0], row[1], row[2]
-                if flags & need_flags != need_flags or la <= 0:
+                if flags & need_flags != need_flags or la <= 0 or (
+                        loras and lora > 0 and row[3] == loras
+                        and lora not in row[4:4 + loras]):
                     s += 1
+                    if loras:  # (compiled: a cold adapter may wait a thousand steps)
+                        s = kn.scan_admission(self._rec, s, self._n, lora, loras)
                     continue
                 if loras and lora > 0 and row[3] > loras:
                     # the step ran more adapters than max_loras (a snapshot vLLM would not
