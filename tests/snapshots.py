@@ -79,7 +79,8 @@ def random_snapshot(rng: random.Random, *, n_running: int | None = None,
 def lora_snapshot(rng: random.Random, **kwargs) -> Snapshot:
     """A :func:`random_snapshot` on vLLM with ``--enable-lora``: ``max_loras`` from 1 to 8,
     adapters 1.. on its requests (Zipf-popular; some on the base model), the running ones on at
-    most ``max_loras`` distinct adapters (as vLLM's scheduler keeps them)."""
+    most ``max_loras`` distinct adapters (as vLLM's scheduler keeps them); mostly a model that
+    prices LoRA steps."""
     snap = random_snapshot(rng, **kwargs)
     max_loras = rng.choice([1, 2, 3, 8])
     adapters = rng.choice([2, 4, 16])
@@ -89,7 +90,13 @@ def lora_snapshot(rng: random.Random, **kwargs) -> Snapshot:
     r_lora = [rng.choice([0, *live]) for _ in range(len(run))]
     w_lora = rng.choices(range(adapters + 1), weights, k=len(wait))
     cfg = SchedulerConfig(**{**snap.config.to_dict(), "max_loras": max_loras})
-    return Snapshot(cfg, snap.model, time=snap.time,
+    model = snap.model
+    if rng.random() < 0.75:  # a step with LoRA costs more (over all its tokens)
+        per_token = max(model.weights[1], model.weights[2], 1e-6)
+        model = model.with_lora(model.intercept * rng.uniform(0.1, 1.0),
+                                per_token * rng.uniform(0.5, 2.0),
+                                per_token * rng.uniform(0.5, 3.0))
+    return Snapshot(cfg, model, time=snap.time,
                     running=RequestTable(run.ids, run.prompt, run.computed, run.output,
                                          run.predicted, run.arrival, r_lora),
                     waiting=RequestTable(wait.ids, wait.prompt, wait.computed, wait.output,

@@ -18,6 +18,8 @@ from duetime.engine.live_forecast import LiveForecaster
 
 MODEL = Sfs6(c0=0.005, cp=2e-5, cpsq=5e-10, cd=2.5e-5, cs=4e-8, css=2e-13)
 SLOWER = Sfs6(c0=0.006, cp=3e-5, cpsq=5e-10, cd=3e-5, cs=4e-8, css=2e-13)
+# with adapters: models that price LoRA steps
+LORA_MODELS = (MODEL.with_lora(0.002, 3e-5, 1e-4), SLOWER.with_lora(0.003, 2e-5, 2e-4))
 
 CONFIGS = {
     # tight KV: the replays preempt; few seats: probes wait for seats
@@ -112,7 +114,8 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
             if eng.has(rid):
                 eng.end(rid, int(eng.request(rid)["output_tokens"]) + 1)
         elif u < 0.93:
-            eng.set_model(SLOWER if eng.model is MODEL else MODEL)
+            pair = LORA_MODELS if cfg.max_loras else (MODEL, SLOWER)
+            eng.set_model(pair[1] if eng.model is pair[0] else pair[0])
         elif u < 0.96:
             eng.set_clock(eng.time + rng.uniform(0.0, 0.05))
         else:
@@ -129,7 +132,7 @@ def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:
 def test_live_forecasts_equal_fresh_ones_through_random_changes(name, asynchronous, seed):
 
     cfg = dataclasses.replace(CONFIGS[name], async_scheduling=asynchronous)
-    eng = Engine(cfg, MODEL, seed=seed)
+    eng = Engine(cfg, LORA_MODELS[0] if cfg.max_loras else MODEL, seed=seed)
     _random_changes(eng, random.Random(seed * 7 + len(name)), 120)
     fc = eng.forecaster()
     assert isinstance(fc, LiveForecaster)

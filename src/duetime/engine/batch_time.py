@@ -15,13 +15,25 @@ dec_ctx     sum of c over decoding requests
 len_sum     sum of L = prompt + output tokens so far, over all scheduled requests
 len_sq      sum of L**2
 ==========  ===============================================================
+
+LoRA. On an instance with adapters (``max_loras``), a step that holds any request on an adapter
+costs ``lora_step + lora_prefill·n_pre + lora_decode·n_dec`` more, over *all* its tokens,
+base-model ones too: measured on vLLM's CPU build (``benchmarks/lora_cost_vllm.py``), the
+adapter kernels run over every token of such a step, whatever the number of distinct adapters
+(1 adapter + 3 base requests cost as 4 on the adapter; k distinct adapters as one); loading an
+adapter costs under half a decode step once, so it is not a term. Every model has the three
+coefficients, 0 unless fitted (``duetime calibrate --lora``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+LORA_COEFFICIENTS = ("lora_step", "lora_prefill", "lora_decode")
+# (what bounds each on a GPU: see BatchTimeModel.term_kinds)
+LORA_TERM_KINDS = {"lora_step": "step", "lora_prefill": "compute", "lora_decode": "compute"}
 
 
 @dataclass(frozen=True)
@@ -31,8 +43,14 @@ class BatchTimeModel:
     Every model is ``w0 + Σ w_i · feature_i`` over the seven features above, in that order;
     :attr:`weights` gives ``(w0, w_n_dec, w_n_pre, w_pre_sq, w_pre_attn, w_dec_ctx, w_len_sum,
     w_len_sq)``. The reference loop and the compiled replay evaluate exactly this sum, in this
-    order, so their step durations are bit-identical.
+    order, so their step durations are bit-identical; a step holding a LoRA request then adds
+    :meth:`lora_duration` (module doc), in the same order in both.
     """
+
+    # a step that holds a request on a LoRA adapter (module doc); keyword-only, default 0
+    lora_step: float = field(default=0.0, kw_only=True)
+    lora_prefill: float = field(default=0.0, kw_only=True)
+    lora_decode: float = field(default=0.0, kw_only=True)
 
     name: ClassVar[str] = ""
     coefficient_names: ClassVar[tuple[str, ...]] = ()
@@ -44,6 +62,8 @@ class BatchTimeModel:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weights", self._weights())
+        object.__setattr__(self, "lora_weights",
+                           (self.lora_step, self.lora_prefill, self.lora_decode))
 
     def _weights(self) -> tuple[float, ...]:
         raise NotImplementedError  # pragma: no cover - abstract
@@ -55,6 +75,16 @@ class BatchTimeModel:
         return (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
                 + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
 
+    def lora_duration(self, n_dec: int, n_pre: int) -> float:
+        """Seconds a step with these decode and prefill tokens costs more when it holds a
+        request on a LoRA adapter."""
+        return self.lora_step + self.lora_prefill * n_pre + self.lora_decode * n_dec
+
+    @property
+    def prices_lora(self) -> bool:
+        """Whether a step with LoRA costs more (any LoRA coefficient > 0)."""
+        return any(self.lora_weights)  # type: ignore[attr-defined]
+
     @property
     def intercept(self) -> float:
         """Fixed cost of a non-empty step."""
@@ -62,13 +92,23 @@ class BatchTimeModel:
 
     @property
     def coefficients(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in self.coefficient_names}
+        """The coefficients by name; the LoRA ones only when fitted (> 0: the form before
+        them otherwise)."""
+        out = {k: getattr(self, k) for k in self.coefficient_names}
+        if self.prices_lora:
+            out.update({k: getattr(self, k) for k in LORA_COEFFICIENTS})
+        return out
 
     def scaled(self, speed: float) -> BatchTimeModel:
         """The model of an instance ``speed`` times faster (every coefficient / ``speed``)."""
         if speed == 1.0:
             return self
         return type(self)(**{k: v / speed for k, v in self.coefficients.items()})
+
+    def with_lora(self, step: float, prefill: float, decode: float) -> BatchTimeModel:
+        """This model with these LoRA coefficients."""
+        return type(self)(**{k: getattr(self, k) for k in self.coefficient_names},
+                          lora_step=step, lora_prefill=prefill, lora_decode=decode)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.name, "coefficients": self.coefficients}
@@ -86,7 +126,7 @@ class Paper4(BatchTimeModel):
     name: ClassVar[str] = "paper4"
     coefficient_names: ClassVar[tuple[str, ...]] = ("b0", "b1", "b2", "b3")
     term_kinds: ClassVar[dict[str, str]] = {"b0": "step", "b1": "compute", "b2": "kv",
-                                            "b3": "attention"}
+                                            "b3": "attention", **LORA_TERM_KINDS}
 
     def _weights(self) -> tuple[float, ...]:
         return (self.b0, self.b1, self.b1, 0.0, self.b3, self.b2, 0.0, 0.0)
@@ -107,7 +147,7 @@ class Sfs6(BatchTimeModel):
     coefficient_names: ClassVar[tuple[str, ...]] = ("c0", "cp", "cpsq", "cd", "cs", "css")
     term_kinds: ClassVar[dict[str, str]] = {"c0": "step", "cp": "compute",
                                             "cpsq": "attention", "cd": "compute", "cs": "kv",
-                                            "css": "attention"}
+                                            "css": "attention", **LORA_TERM_KINDS}
 
     def _weights(self) -> tuple[float, ...]:
         return (self.c0, self.cd, self.cp, self.cpsq, 0.0, 0.0, self.cs, self.css)
@@ -129,14 +169,15 @@ def model_from_dict(d: Mapping[str, Any], where: str = "batch_time") -> BatchTim
     if not isinstance(coeffs, Mapping):
         raise ValueError(f"{where}.coefficients: must be an object of numbers")
     missing = [k for k in cls.coefficient_names if k not in coeffs]
-    extra = [k for k in coeffs if k not in cls.coefficient_names]
+    extra = [k for k in coeffs if k not in cls.coefficient_names and k not in LORA_COEFFICIENTS]
     if missing:
         raise ValueError(f"{where}.coefficients: missing {missing} for model {name!r}")
     if extra:
         raise ValueError(f"{where}.coefficients: unknown {extra} for model {name!r} "
-                         f"(expected {list(cls.coefficient_names)})")
+                         f"(expected {list(cls.coefficient_names)}, optionally "
+                         f"{list(LORA_COEFFICIENTS)})")
     values = {}
-    for k in cls.coefficient_names:
+    for k in (*cls.coefficient_names, *(c for c in LORA_COEFFICIENTS if c in coeffs)):
         v = coeffs[k]
         if isinstance(v, bool) or not isinstance(v, int | float) or v != v or v in (
                 float("inf"), float("-inf")):

@@ -42,7 +42,7 @@ from duetime.engine.block_pool_kernel import (
     store_free,
 )
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import Forecaster, config_array, replay_state
+from duetime.engine.forecasting import Forecaster, config_array, replay_state, weights_array
 from duetime.engine.kv import blocks_for, stuck_reason
 from duetime.engine.kv_kernel import HELD, kv_release, kv_take
 from duetime.engine.live_forecast import LiveForecaster
@@ -159,7 +159,7 @@ class Engine:
                               else int(seed) & ((1 << 62) - 1))
         self._clock = np.array([float(time)])
         self._cfg = config_array(config)
-        self._w = np.array(model.weights, dtype=np.float64)
+        self._w = weights_array(model)
         self._floor_w = self._floor_weights()
         self._work = np.zeros((kn.WORK_ROWS, n), dtype=np.int64)
         self._adapters = kn.adapter_scratch(config.max_loras, n)  # (None without LoRA)
@@ -772,7 +772,7 @@ class Engine:
         """Steps from now on take ``model``'s time (an emulated instance whose speed changes
         while it runs). The step in flight keeps the duration it was given."""
         self.model = model
-        self._w = np.array(model.weights, dtype=np.float64)
+        self._w = weights_array(model)
         self._floor_w = self._floor_weights()
         self._changed()
         self._relaid()

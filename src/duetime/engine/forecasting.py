@@ -111,7 +111,8 @@ def config_array(cfg: SchedulerConfig) -> np.ndarray:
 
 @lru_cache(maxsize=256)
 def weights_array(model: BatchTimeModel) -> np.ndarray:
-    return np.array(model.weights, dtype=np.float64)
+    """The kernel's ``w``: the model's weights, then its LoRA ones (shared: never written)."""
+    return np.array((*model.weights, *model.lora_weights), dtype=np.float64)
 
 
 def _state(snapshot: Snapshot, sigma: float, probe: tuple[int, int] | None = None,
@@ -430,6 +431,7 @@ class Forecaster:
         self._events: tuple[np.ndarray, ...] | None = None  # see events_by_key
         self._room = np.zeros(3, dtype=np.int64)  # see scheduler_kernel.run_base
         self._loras = cfg.max_loras
+        self._lora_priced = bool(cfg.max_loras) and self._model.prices_lora
         self._rec = np.empty((64, self._rec_columns()), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
         self._rec_t = np.empty(64)
@@ -489,7 +491,7 @@ class Forecaster:
     def _rec_columns(self) -> int:
         """Columns of the base's record: with ``max_loras``, each step's adapters too (see
         :func:`~duetime.engine.scheduler_kernel.run_base`)."""
-        return 3 if not self._loras else 4 + self._loras
+        return 3 if not self._loras else kn.REC_ADAPTERS + self._loras
 
     def _ended(self, code: int) -> None:
         if code != kn.REACHED:
@@ -559,13 +561,13 @@ class Forecaster:
                 row = self._rec[s].tolist()
                 la, free, flags = row[0], row[1], row[2]
                 if flags & need_flags != need_flags or la <= 0 or (
-                        loras and lora > 0 and row[3] == loras
-                        and lora not in row[4:4 + loras]):
+                        loras and lora > 0 and row[kn.REC_NL] == loras
+                        and lora not in row[kn.REC_ADAPTERS:kn.REC_ADAPTERS + loras]):
                     s += 1
                     if loras:  # (compiled: a cold adapter may wait a thousand steps)
                         s = kn.scan_admission(self._rec, s, self._n, lora, loras)
                     continue
-                if loras and lora > 0 and row[3] > loras:
+                if loras and lora > 0 and row[kn.REC_NL] > loras:
                     # the step ran more adapters than max_loras (a snapshot vLLM would not
                     # make): its record lists only the first ones
                     return self._replay(p, keys, lora)
@@ -582,14 +584,14 @@ class Forecaster:
             if self._failed:
                 return self._replay(p, keys, lora)
             c = 0 if keys is None else self._hits(keys, 1 << 62) * bs
-            return self._alone(p, c, 0.0)
+            return self._alone(p, c, 0.0, lora)
 
         if int(self._rec[s, 2]) & kn.NO_MODEL:
             return self._replay(p, keys, lora)  # the probe would run the step's model alone
         # 2. Progress: the budget the base leaves after its running requests, step by step.
         rem = p - c - x0
         if rem == 0:
-            return self._finish(p, s, x0 * x0, 1, c)
+            return self._finish(p, s, x0 * x0, 1, c, self._lora_extra(lora, s, s, x0, x0))
         base = int(self._cum[s + 1, 0])
         while int(self._cum[self._n, 0]) - base < rem and self._extend(
                 max(rem - (int(self._cum[self._n, 0]) - base), int(room[0]))):
@@ -611,12 +613,13 @@ class Forecaster:
             done = c + x0 + c_last[0] - base
             sq = x0 * x0 + c_last[1] - c_s[1]
             nsteps = 1 + c_last[2] - c_s[2]
-            return self._alone(p, done, self._marginal(p, c, done, sq, nsteps))
+            return self._alone(p, done, self._marginal(p, c, done, sq, nsteps)
+                               + self._lora_extra(lora, s, n - 1, x0, None), lora)
         c_e = cum[e].tolist()
         left = rem - (c_e[0] - base)
         sq = x0 * x0 + c_e[1] - c_s[1] + left * left
         nsteps = 2 + c_e[2] - c_s[2]
-        return self._finish(p, e, sq, nsteps, c)
+        return self._finish(p, e, sq, nsteps, c, self._lora_extra(lora, s, e, x0, left))
 
     def _hits(self, keys: np.ndarray, stamp: int) -> int:
         """The probe's blocks found cached when it is looked up: its keys cached at the
@@ -655,15 +658,42 @@ class Forecaster:
         return self._model.duration(0, c1 - c0, sq, (c1 * (c1 + 1) - c0 * (c0 + 1)) // 2, 0,
                                     nsteps * p, nsteps * p * p) - self._model.intercept
 
-    def _finish(self, p: int, e: int, sq: int, nsteps: int, c0: int = 0) -> Forecast:
-        """The probe's prompt completes in base step ``e`` (``c0`` of it found cached)."""
-        end = float(self._rec_t[e]) + self._marginal(p, c0, p, sq, nsteps)
+    def _lora_extra(self, lora: int, s: int, e: int, x0: int, last: int | None) -> float:
+        """What LoRA adds to base steps ``s`` .. ``e`` with the probe in them, on adapter
+        ``lora`` (0: the base model) taking ``x0`` tokens in step ``s``, the budget the base
+        left in those between, and ``last`` in step ``e`` (None: that budget too): a step
+        that holds a LoRA request costs more over all its tokens
+        (:mod:`~duetime.engine.batch_time`), so a probe on an adapter pays that for a
+        base-only step it joins, and a base probe pays it for its own tokens in a step with
+        LoRA. 0 when the model does not price LoRA."""
+        if not self._lora_priced:
+            return 0.0
+        x = np.diff(self._cum[s:e + 2, 0])  # y: the probe's tokens in a step between
+        x[0] = x0
+        if last is not None and e > s:
+            x[-1] = last
+        rec = self._rec[s:e + 1]
+        on = x > 0  # (a step with no budget left does not schedule it)
+        lora_steps = rec[:, kn.REC_NL] > 0
+        m = self._model
+        if not lora:
+            return m.lora_prefill * int(x[on & lora_steps].sum())
+        joined = on & ~lora_steps  # base-only steps it makes LoRA steps
+        return (m.lora_prefill * int(x.sum()) + m.lora_step * int(joined.sum())
+                + m.lora_prefill * int(rec[joined, kn.REC_PRE].sum())
+                + m.lora_decode * int(rec[joined, kn.REC_DEC].sum()))
+
+    def _finish(self, p: int, e: int, sq: int, nsteps: int, c0: int = 0,
+                extra: float = 0.0) -> Forecast:
+        """The probe's prompt completes in base step ``e`` (``c0`` of it found cached;
+        ``extra``: what LoRA adds to its steps)."""
+        end = float(self._rec_t[e]) + self._marginal(p, c0, p, sq, nsteps) + extra
         return Forecast(end, e + 1)
 
-    def _alone(self, p: int, c: int, extra: float) -> Forecast:
+    def _alone(self, p: int, c: int, extra: float, lora: int = 0) -> Forecast:
         """The base is idle with ``c`` of the probe's ``p`` tokens computed and ``extra`` of
         its batch time spent; it runs alone from there, whole budgets per step (a lone request
-        ignores the long-prefill threshold)."""
+        ignores the long-prefill threshold; on adapter ``lora``, each a step with LoRA)."""
         t = (float(self._rec_t[self._n - 1]) if self._n else 0.0) + extra
         k = self._n
         rem = p - c
@@ -674,6 +704,8 @@ class Forecaster:
         attn = p * (p + 1) // 2 - c * (c + 1) // 2
         own = self._model.duration(0, rem, sq, attn, 0, j * p, j * p * p) + (
             (j - 1) * self._model.intercept)
+        if lora and self._lora_priced:
+            own += j * self._model.lora_step + self._model.lora_prefill * rem
         return Forecast(t + own, k + j)
 
     def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None,

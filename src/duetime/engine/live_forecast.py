@@ -120,6 +120,7 @@ class LiveForecaster(Forecaster):
             self._streams = eng.num_running + eng.num_waiting
             if eng.model is not self._model:
                 self._model = eng.model
+                self._lora_priced = bool(self._loras) and self._model.prices_lora
                 if not self._caching:
                     self._state = (*self._state[:7], weights_array(self._model),
                                    *self._state[8:])

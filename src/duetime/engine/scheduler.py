@@ -272,7 +272,10 @@ class ReferenceEngine:
                 pre_sq += n * n
                 pre_attn += n * c + n * (n + 1) // 2
                 rec.prefill[r.id] = n
-        return self.model.duration(n_dec, n_pre, pre_sq, pre_attn, dec_ctx, len_sum, len_sq)
+        dur = self.model.duration(n_dec, n_pre, pre_sq, pre_attn, dec_ctx, len_sum, len_sq)
+        if self.config.max_loras and any(r.lora > 0 for r, _ in scheduled):
+            dur += self.model.lora_duration(n_dec, n_pre)  # (a step with LoRA: all its tokens)
+        return dur
 
     def _apply(self, scheduled: list[tuple[Request, int]], end: float,
                rec: StepRecord) -> None:

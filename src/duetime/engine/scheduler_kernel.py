@@ -53,8 +53,9 @@ Layout (all int64 unless noted; request ``r`` is an index):
   numba then compiles the kernel without the adapter rule as it does without caching (a
   runtime test of ``max_loras`` cost the forecasts without adapters 10-30%, measured with
   ``benchmarks/ab.py``);
-* ``w`` (float64[8]): the batch-time model as intercept + weights of the seven features, in the
-  order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`.
+* ``w`` (float64[11]): the batch-time model as intercept + weights of the seven features, in the
+  order of :meth:`duetime.engine.batch_time.BatchTimeModel.weights`, then its LoRA weights
+  (``lora_weights``: read only with ``adapters``).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ ST_SIZE = 11
 BUDGET, CAP, MAXSEQS, MAXLEN, BS, NBLOCKS, SHIFT, WM, FULLSEQ, ASYNC, MAXLORAS = range(11)
 CFG_SIZE = 11
 # step()'s ``out``: see step()
-OUT_SIZE = 12
+OUT_SIZE = 14
 # step()'s ``work`` rows: finished rows, first tokens
 WORK_ROWS = 2
 # rows of the LoRA scratch (``adapters``, with max_loras): skipped rows, the step's adapters
@@ -114,6 +115,10 @@ def adapter_scratch(max_loras: int, rows: int) -> np.ndarray | None:
     """The ``adapters`` argument for ``rows`` requests: None without ``max_loras`` (see the
     module doc)."""
     return np.zeros((LORA_ROWS, rows), dtype=np.int64) if max_loras else None
+
+# a base record's LoRA columns (run_base): the step's adapters count, decode and prefill
+# tokens, then the adapters
+REC_NL, REC_DEC, REC_PRE, REC_ADAPTERS = 3, 4, 5, 6
 
 # flag bits recorded per base step
 DRAINED = 1     # waiting queue empty after admission and nothing preempted
@@ -636,13 +641,16 @@ def step_flags(st, cfg, preempted, ns, tail, admitted):  # pragma: no cover - ji
 
 
 @njit(cache=True, nogil=True, inline="always")
-def step_duration(w, terms, noise, seed, k):  # pragma: no cover - jit
+def step_duration(w, terms, noise, seed, k, lora):  # pragma: no cover - jit
     """The step's duration: the batch-time model of what it scheduled (``w``: intercept, then
     the weights of ``terms``; exact integer features, summed in this order in both forms);
+    ``lora``: the step holds a request on an adapter (its LoRA terms, ``w[8:11]``, added);
     ``noise`` > 0 multiplies it by a mean-one log-normal factor (:func:`step_normal`)."""
     n_dec, n_pre, pre_sq, pre_attn, dec_ctx, len_sum, len_sq = terms
     dur = (w[0] + w[1] * n_dec + w[2] * n_pre + w[3] * pre_sq + w[4] * pre_attn
            + w[5] * dec_ctx + w[6] * len_sum + w[7] * len_sq)
+    if lora:
+        dur += w[8] + w[9] * n_pre + w[10] * n_dec
     if noise > 0.0:
         dur *= math.exp(noise * step_normal(seed, k) - 0.5 * noise * noise)
     return dur
@@ -758,7 +766,7 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     waiting head (on STUCK), first tokens, finished, preempted, prefix-cache queries and hits
     (tokens, of the admitted requests that looked up), the step's adapters (with
     ``max_loras``: ``adapters[1, :out[10]]``), whether admission went through the whole
-    queue];
+    queue, with ``max_loras`` the decode and the prefill tokens scheduled];
     the rows that got their first token are ``work[1, :out[5]]`` and those that finished
     ``work[0, :out[6]]``. Returns the number of
     scheduled requests, or STUCK. ``noise`` > 0 multiplies the step's duration by a mean-one
@@ -792,8 +800,13 @@ def step(req, stamps, run, wq, st, clock, cfg, w, work, out, pool, kmap, rb, rk,
     if undo is not None:  # key events after the scheduling: outputs applied, blocks freed
         undo[U_STAMP] = 2 * st[K] + 1
     t_end = t_start
+    lora = False
+    if adapters is not None:  # (max_loras) the step's tokens, for a base record
+        lora = out[10] > 0
+        out[12] = terms[0]
+        out[13] = terms[1]
     if ns > 0:
-        t_end += step_duration(w, terms, noise, st[NSEED], st[K])
+        t_end += step_duration(w, terms, noise, st[NSEED], st[K], lora)
     t_out = t_end  # when the outputs applied now were made
     if cfg[ASYNC]:  # the previous step's: its end is this step's start
         t_out = t_start
@@ -844,7 +857,8 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, 
 
     Per step ``s``: ``rec[s] = [budget left after admission, free blocks after allocation,
     flags]`` — with ``max_loras`` (``adapters`` not None), then the number of the step's
-    adapters and the adapters (``rec`` has ``4 + max_loras`` columns) —, ``rec_t[s]`` = its end time, and prefix sums
+    adapters, its decode and prefill tokens and the adapters (``rec`` has ``6 + max_loras``
+    columns: ``REC_LORA``.. below) —, ``rec_t[s]`` = its end time, and prefix sums
     ``cum[s + 1]`` (``cum[0]`` = 0) of y = min(cap, budget left after the running phase) — the
     tokens a probe at the tail of the running order could get —, of y², of the steps with y >
     0 and of the steps that preempted, ran no model or admitted a request (steps whose
@@ -873,11 +887,13 @@ def run_base(req, stamps, run, wq, st, clock, cfg, w, pool, kmap, rb, rk, undo, 
         rec[n_rec, 0] = out[1]
         rec[n_rec, 1] = out[2]
         rec[n_rec, 2] = out[3]
-        if adapters is not None:  # max_loras: the step's adapters
+        if adapters is not None:  # max_loras: the step's adapters and tokens
             nl = out[10]
-            rec[n_rec, 3] = nl
-            for j in range(min(nl, rec.shape[1] - 4)):  # (more than max_loras: see Forecaster)
-                rec[n_rec, 4 + j] = adapters[1, j]
+            rec[n_rec, REC_NL] = nl
+            rec[n_rec, REC_DEC] = out[12]
+            rec[n_rec, REC_PRE] = out[13]
+            for j in range(min(nl, rec.shape[1] - REC_ADAPTERS)):  # (more than max_loras:
+                rec[n_rec, REC_ADAPTERS + j] = adapters[1, j]     # see Forecaster)
         rec_t[n_rec] = clock[0]
         cum[n_rec + 1, 0] = cum[n_rec, 0] + y
         cum[n_rec + 1, 1] = cum[n_rec, 1] + y * y
@@ -905,11 +921,11 @@ def scan_admission(rec, s, n, lora, max_loras):  # pragma: no cover - jit
         if rec[s, 2] & need == need and rec[s, 0] > 0:
             if max_loras == 0 or lora <= 0:
                 return s
-            nl = rec[s, 3]
+            nl = rec[s, REC_NL]
             if nl < max_loras or nl > max_loras:
                 return s
             for j in range(nl):
-                if rec[s, 4 + j] == lora:
+                if rec[s, REC_ADAPTERS + j] == lora:
                     return s
         s += 1
     return n
