@@ -4,6 +4,7 @@ emulated instance over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 
 import pytest
@@ -185,3 +186,35 @@ def test_frontend_costs_separate_request_and_chunk_work(monkeypatch):
     assert got.chunk_s == pytest.approx(0.0001, rel=0.1)
     Server.cpu = None
     assert asyncio.run(endpoint.frontend_costs(Prober(), cfg)) is None
+
+
+def test_calibrate_fits_the_lora_terms_of_an_emulated_instance() -> None:
+    """An emulator serving adapter A on a model that prices LoRA steps: ``lora="A"`` repeats
+    the probes on it and the LoRA terms come out close to the truth, the base model's as
+    without it."""
+    from duetime.emulator.core import LoraModule
+
+    true = TRUE.with_lora(4e-3, 6e-5, 4e-4)
+    cfg = dataclasses.replace(CFG, max_loras=1)
+
+    async def go() -> Calibration:
+        emu = Emulator(true, cfg, model_name="m", max_loras=1,
+                       lora_modules=(LoraModule("A", "/adapters/a"),))
+        srv = await AppServer(create_app(emu)).start()
+        try:
+            return await calibrate(srv.url, "m", cfg, reps=2, lora="A",
+                                   measure_frontend=False)
+        finally:
+            await srv.stop()
+            await emu.close()
+
+    cal = asyncio.run(go())
+    assert cal.model.b0 == pytest.approx(TRUE.b0, rel=0.3)
+    assert cal.model.lora_step == pytest.approx(true.lora_step, rel=0.5)
+    assert cal.model.lora_prefill == pytest.approx(true.lora_prefill, rel=0.3)
+    assert cal.model.lora_decode == pytest.approx(true.lora_decode, rel=0.5)
+    for kind in ("prefill", "decode", "lora prefill", "lora decode"):
+        assert statistics.median(abs(e) for e in cal.errors(kind)) < 0.1, kind
+    entry = cal.instance_entry()
+    assert entry["config"]["max_loras"] == 1
+    assert entry["batch_time"]["coefficients"]["lora_decode"] > 0

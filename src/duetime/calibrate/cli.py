@@ -6,7 +6,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from duetime.argtypes import positive_int
+from duetime.argtypes import count, positive_int
 
 
 def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
@@ -29,12 +29,13 @@ def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
         if not block or not blocks:
             raise error("--block-size and --num-gpu-blocks are needed (the server does not "
                         "publish vllm:cache_config_info)")
+        max_loras = args.max_loras if args.max_loras is not None else (1 if args.lora else 0)
         cfg = SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               block_size=block, num_gpu_blocks=blocks,
-                              long_prefill_token_threshold=0)
+                              long_prefill_token_threshold=0, max_loras=max_loras)
         return await calibrate(args.url, args.model, cfg, reps=args.reps, seed=args.seed,
-                               batch_model=args.batch_model)
+                               batch_model=args.batch_model, lora=args.lora)
 
     try:
         cal = asyncio.run(go())
@@ -47,12 +48,16 @@ def _cmd_calibrate(args: argparse.Namespace, error: type[Exception]) -> int:
 
     def summary(kind: str) -> str:
         errs = [abs(x) * 100 for x in cal.errors(kind)]
+        if not errs:
+            return f"{kind} no samples"
         return (f"{kind} {len(errs)} samples, |error| median {statistics.median(errs):.1f}% "
                 f"max {max(errs):.1f}%")
 
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = (f"# duetime calibrate {args.url} --model {args.model} ({when})\n"
-            f"# fit: {summary('prefill')}; {summary('decode')}\n"
+    kinds = ("prefill", "decode", *(("lora prefill", "lora decode") if args.lora else ()))
+    text = (f"# duetime calibrate {args.url} --model {args.model}"
+            f"{f' --lora {args.lora}' if args.lora else ''} ({when})\n"
+            f"# fit: {'; '.join(summary(k) for k in kinds)}\n"
             + yaml.safe_dump(cal.instance_entry(), sort_keys=False,
                              default_flow_style=None))
     if args.out:
@@ -98,6 +103,13 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
     p.add_argument("--batch-model", choices=("paper4", "sfs6"), default="paper4",
                    help="the batch-time model to fit: the SFS paper's eq. 11 (paper4, "
                    "default) or the released SFS code's six terms (sfs6)")
+    p.add_argument("--lora", default=None, metavar="ADAPTER",
+                   help="an adapter the server serves (vLLM --enable-lora): the probes are "
+                   "repeated on it and the LoRA terms fitted (what a step holding a LoRA "
+                   "request costs more)")
+    p.add_argument("--max-loras", type=count, default=None, metavar="N",
+                   help="the server's --max-loras, written to the config (default: 1, vLLM's, "
+                   "with --lora, else 0: LoRA off)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the YAML here")
 
 

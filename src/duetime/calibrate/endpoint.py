@@ -24,6 +24,12 @@ Two kinds of probes, sent to an otherwise idle server:
   :mod:`duetime.engine.frontend`): the queue in front of the engine that a small, fast model
   saturates before its engine does.
 
+* **LoRA** (``lora``: an adapter the server serves): the same prefill and decode probes on the
+  adapter (every request of a decode batch on it). The base model fitted first, what those
+  samples take beyond it is fitted to the three LoRA terms (a step holding a LoRA request costs
+  ``lora_step + lora_prefill·n_pre + lora_decode·n_dec`` more: :mod:`duetime.engine.batch_time`),
+  by the same regression on their residuals.
+
 All rows are fitted together by non-negative least squares on relative error (scikit-learn's
 ``LinearRegression(positive=True)``, weighted by 1/observed). Each sample keeps the engine's
 seven batch features summed over its steps (:mod:`duetime.engine.batch_time`), so the same
@@ -69,13 +75,21 @@ class CalibrationError(RuntimeError):
 
 @dataclass(frozen=True)
 class Sample:
-    kind: str                 # "prefill" or "decode"
+    kind: str                 # "prefill" or "decode"; "lora prefill", "lora decode"
     # the batch features summed over the sample's steps, in batch_time's order (steps, n_dec,
     # n_pre, pre_sq, pre_attn, dec_ctx, len_sum, len_sq), then 1 if the time holds the
     # per-request overhead
     x: tuple[float, ...]
     observed_s: float
     what: str                 # a label: "P=512" or "n=4"
+    # on a LoRA adapter: its steps' LoRA features summed (steps, n_pre, n_dec): see
+    # BatchTimeModel.lora_duration
+    lora: tuple[float, float, float] | None = None
+
+
+def on_lora(s: Sample) -> Sample:
+    """The same probe on an adapter (every step of it holds a LoRA request)."""
+    return Sample(f"lora {s.kind}", s.x, s.observed_s, s.what, (s.x[0], s.x[2], s.x[1]))
 
 
 @dataclass
@@ -91,7 +105,10 @@ class Calibration:
 
     def fitted(self, s: Sample) -> float:
         w = (*self.model.weights, self.request_overhead_s)  # type: ignore[attr-defined]
-        return float(np.dot(s.x, w))
+        t = float(np.dot(s.x, w))
+        if s.lora is not None:
+            t += float(np.dot(s.lora, self.model.lora_weights))  # type: ignore[attr-defined]
+        return t
 
     def errors(self, kind: str) -> list[float]:
         """Relative errors (fitted / observed - 1) of one kind of sample."""
@@ -131,15 +148,40 @@ def decode_row(n: int, context: float, lengths_sq: float | None = None) -> tuple
     return (1.0, float(n), 0.0, 0.0, 0.0, float(context), float(lsum), float(lsq), 0.0)
 
 
-def fit(samples: list[Sample], config: SchedulerConfig, model: str = "paper4") -> Calibration:
-    """Non-negative least squares on relative error over all samples, for the batch-time
-    ``model`` (a name in :data:`duetime.engine.batch_time.MODELS`)."""
+def _nnls(x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> list[float]:
+    """Non-negative least squares of ``y`` on the columns of ``x`` (weighted; columns scaled
+    to one, so that their magnitudes do not matter)."""
     from sklearn.linear_model import LinearRegression
 
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    reg = LinearRegression(positive=True, fit_intercept=False)
+    reg.fit(x / scale, y, sample_weight=weight)
+    return (reg.coef_ / scale).tolist()
+
+
+def fit(samples: list[Sample], config: SchedulerConfig, model: str = "paper4") -> Calibration:
+    """Non-negative least squares on relative error over all samples, for the batch-time
+    ``model`` (a name in :data:`duetime.engine.batch_time.MODELS`); LoRA samples, fitted to
+    the LoRA terms on what they take beyond the base model (module doc)."""
     if model not in MODELS:
         raise ValueError(f"unknown batch-time model {model!r}; expected one of {sorted(MODELS)}")
     cls = MODELS[model]
     samples = [s for s in samples if s.observed_s > 0]
+    lora = [s for s in samples if s.lora is not None]
+    base = [s for s in samples if s.lora is None]
+    cal = _fit_base(base, config, cls)
+    if lora:
+        y = np.array([s.observed_s - cal.fitted(s) for s in lora])
+        obs = np.array([s.observed_s for s in lora])
+        coef = _nnls(np.array([s.lora for s in lora], dtype=float), y, 1.0 / obs**2)
+        cal.model = cal.model.with_lora(*coef)
+        cal.samples = samples
+    return cal
+
+
+def _fit_base(samples: list[Sample], config: SchedulerConfig,
+              cls: type[BatchTimeModel]) -> Calibration:
     if len({s.kind for s in samples}) < 2 or len(samples) < 6:
         raise CalibrationError(f"too few samples to fit ({len(samples)}): need prefill and "
                                "decode probes")
@@ -150,11 +192,7 @@ def fit(samples: list[Sample], config: SchedulerConfig, model: str = "paper4") -
     feats = np.array([s.x for s in samples], dtype=float)
     x = np.column_stack([feats[:, :8] @ basis, feats[:, 8]])
     y = np.array([s.observed_s for s in samples], dtype=float)
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
-    reg = LinearRegression(positive=True, fit_intercept=False)
-    reg.fit(x / scale, y, sample_weight=1.0 / y**2)
-    coef = (reg.coef_ / scale).tolist()
+    coef = _nnls(x, y, 1.0 / y**2)
     return Calibration(cls(**dict(zip(names, coef[:-1], strict=True))), config, coef[-1],
                        samples)
 
@@ -183,12 +221,14 @@ class _Prober:
     def prompt(self, n: int) -> list[int]:
         return [self.rng.choice(self.ids) for _ in range(n)]
 
-    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[Arrival], int]:
-        """Send one streamed completion; (sent at, its chunks' arrivals, prompt tokens the
+    async def stream(self, prompt: list[int], max_tokens: int, model: str | None = None
+                     ) -> tuple[float, list[Arrival], int]:
+        """Send one streamed completion (to ``model``, default the served one: an adapter's
+        name puts it on that adapter); (sent at, its chunks' arrivals, prompt tokens the
         server counted). vLLM may pack several tokens into one chunk when its HTTP side falls
         behind: with ``continuous_usage_stats`` every chunk says how many tokens came so far
         (a server that ignores the option: one token per chunk)."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+        body = {"model": model or self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         arrivals: list[Arrival] = []
@@ -260,41 +300,29 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
                     prompt_lengths: list[int] | None = None, batches: list[int] | None = None,
                     decode_tokens: int = 32, decode_prompts: list[int] | None = None,
                     seed: int = 0, timeout_s: float = 120.0,
-                    batch_model: str = "paper4", measure_frontend: bool = True) -> Calibration:
+                    batch_model: str = "paper4", measure_frontend: bool = True,
+                    lora: str | None = None) -> Calibration:
     """Probe the server at ``url`` (serving ``model`` with this scheduler ``config``) and fit
     ``batch_model``.
     Decode probes run at each of ``decode_prompts`` (default: a short prompt and a realistic
     context); a long prompt's streams decode ``decode_tokens`` more than the steps their
-    staggered prefills take, so that all of them decode together for a while. With
-    ``measure_frontend`` the API server's costs are measured last (:func:`frontend_costs`)."""
-    lengths = prompt_lengths or default_prompt_lengths(config)
-    ns = batches or default_batches(config)
-    contexts = decode_prompts or default_decode_prompts(config)
+    staggered prefills take, so that all of them decode together for a while. ``lora``: an
+    adapter the server serves, probed the same way after the base model (its LoRA terms).
+    With ``measure_frontend`` the API server's costs are measured last
+    (:func:`frontend_costs`)."""
+    plan = _Plan(prompt_lengths or default_prompt_lengths(config),
+                 batches or default_batches(config),
+                 decode_prompts or default_decode_prompts(config), reps, decode_tokens)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    samples: list[Sample] = []
     try:
         async with instance_session(timeout) as session:
             p = _Prober(url, model, session, seed)
             await p.token_ids()
             await p.stream(p.prompt(16), 4)  # warm-up
-            for _ in range(reps):
-                for n in lengths:
-                    t0, arr, counted = await p.stream(p.prompt(n), 1)
-                    if not arr:
-                        raise CalibrationError(f"no token came back for a {n}-token prompt")
-                    samples.append(Sample("prefill", prefill_row(counted, config.
-                                                                 max_num_batched_tokens),
-                                          arr[0][0] - t0, f"P={counted}"))
-            for _ in range(reps):
-                for prompt in contexts:
-                    for n in ns:
-                        budget = config.max_num_batched_tokens
-                        tokens = decode_tokens + -(-(n * prompt) // budget)
-                        if prompt > 16 and not _fits(config, n, prompt, tokens):
-                            continue
-                        runs = await asyncio.gather(*(p.stream(p.prompt(prompt), tokens)
-                                                      for _ in range(n)))
-                        samples.extend(_decode_samples(runs, n))
+            samples = await _probe(p, config, plan)
+            if lora is not None:
+                await p.stream(p.prompt(16), 4, lora)  # (its first use loads it)
+                samples += [on_lora(s) for s in await _probe(p, config, plan, lora)]
             frontend = await frontend_costs(p, config) if measure_frontend else None
     except aiohttp.ClientError as e:
         raise CalibrationError(f"{url}: {type(e).__name__}: {e}") from None
@@ -303,6 +331,40 @@ async def calibrate(url: str, model: str, config: SchedulerConfig, *, reps: int 
     cal = fit(samples, config, batch_model)
     cal.frontend = frontend
     return cal
+
+
+@dataclass(frozen=True)
+class _Plan:
+    lengths: list[int]  # lone prompts
+    batches: list[int]  # decode batches
+    contexts: list[int]  # decode prompts
+    reps: int
+    decode_tokens: int
+
+
+async def _probe(p: _Prober, config: SchedulerConfig, plan: _Plan,
+                 model: str | None = None) -> list[Sample]:
+    """The prefill and decode probes (module doc) on ``model`` (default the served one)."""
+    samples: list[Sample] = []
+    for _ in range(plan.reps):
+        for n in plan.lengths:
+            t0, arr, counted = await p.stream(p.prompt(n), 1, model)
+            if not arr:
+                raise CalibrationError(f"no token came back for a {n}-token prompt")
+            samples.append(Sample("prefill", prefill_row(counted,
+                                                         config.max_num_batched_tokens),
+                                  arr[0][0] - t0, f"P={counted}"))
+    for _ in range(plan.reps):
+        for prompt in plan.contexts:
+            for n in plan.batches:
+                budget = config.max_num_batched_tokens
+                tokens = plan.decode_tokens + -(-(n * prompt) // budget)
+                if prompt > 16 and not _fits(config, n, prompt, tokens):
+                    continue
+                runs = await asyncio.gather(*(p.stream(p.prompt(prompt), tokens, model)
+                                              for _ in range(n)))
+                samples.extend(_decode_samples(runs, n))
+    return samples
 
 
 async def _api_cpu_s(p: _Prober) -> float | None:
