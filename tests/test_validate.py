@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import dataclasses
 import json
 import math
 import threading
@@ -166,6 +167,9 @@ def test_server_stats_are_read_from_vllms_histograms():
     (["ftp://x"], "URL must be an http(s) URL"),
     (["http://127.0.0.1:9", "--profile", "nope"], "unknown engine profile"),
     (["http://127.0.0.1:9", "--loads", "0,1"], "--loads"),
+    (["http://127.0.0.1:9", "--lora", "A"], "has no max_loras"),
+    (["http://127.0.0.1:9", "--lora", "A", "--max-loras", "1", "--lora-share", "2"],
+     "--lora-share"),
 ])
 def test_validate_errors_are_one_line(args, message, tmp_path, capsys):
     base = ["validate", *args[:1], "--model", "m", "--out", str(tmp_path / "o")]
@@ -240,3 +244,66 @@ def test_the_step_corrected_replay_learns_a_slower_server():
     for r in recs[3:]:
         assert r.step_itl == pytest.approx(r.itl, rel=1e-6)
         assert r.step_ttft > 1.5 * r.predicted_ttft
+
+
+def test_validate_with_adapters_reports_their_error_apart(tmp_path, capsys):
+    """An emulator serving adapters A and B (max_loras 1) on a model whose LoRA steps cost
+    more: half the requests on adapters; with the true profile their TTFT error is as small
+    as the base model's, with a profile that does not price LoRA it is not."""
+    import yaml
+
+    from duetime.emulator import Emulator, create_app
+    from duetime.emulator.core import LoraModule
+    from duetime.engine.profiles import load_profile
+    from duetime.web.server import AppServer
+
+    spec = load_profile(PROFILE)
+    model = spec.batch_time
+    true = model.with_lora(3 * model.intercept, 3 * model.weights[2], 4 * model.weights[1])
+    cfg = dataclasses.replace(spec.config, max_loras=1)
+
+    def profile(m) -> str:
+        path = tmp_path / f"{'lora' if m.prices_lora else 'plain'}.yaml"
+        path.write_text(yaml.safe_dump({"batch_time": m.to_dict(), "config": cfg.to_dict(),
+                                        "request_overhead_ms": 0.0}))
+        return str(path)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    emu = Emulator(true, cfg, model_name=PROFILE, speed=SPEED, seed=0, max_loras=1,
+                   lora_modules=(LoraModule("A", "/a"), LoraModule("B", "/b")))
+    server = asyncio.run_coroutine_threadsafe(AppServer(create_app(emu)).start(),
+                                              loop).result(30)
+    got = {}
+    try:
+        first = tmp_path / "lora"
+        rc = main(["validate", server.url, "--model", PROFILE, "--profile", profile(true),
+                   "--speed", str(SPEED), "--out", str(first), "--loads", "0.5",
+                   "--requests", "24", "--max-prompt", "400", "--max-output", "16",
+                   "--capacity-clients", "8", "--capacity-requests", "16", "--pause", "0.2",
+                   "--lora", "A,B", "--quiet"])
+        assert rc == 0
+        assert "on adapters" in capsys.readouterr().out
+        got["lora"] = json.loads((first / "summary.json").read_text())
+        # the same trace replayed with a profile that does not price LoRA
+        rc = main(["validate", server.url, "--model", PROFILE, "--profile", profile(model),
+                   "--speed", str(SPEED), "--out", str(tmp_path / "plain"),
+                   "--trace", str(first / "results.csv"), "--quiet"])
+        assert rc == 0
+        got["plain"] = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    summary = got["lora"]
+    assert summary["failed"] == 0 and summary["mix"]["loras"] == ["A", "B"]
+    rows = list(csv.DictReader((first / "results.csv").open()))
+    assert {r["lora"] for r in rows} == {"", "A", "B"}
+    by = summary["by_adapter"]
+    assert by["lora"]["n"] >= 5 and by["base"]["n"] >= 5
+    assert by["lora"]["median_abs"] < 0.25, by
+    assert "## LoRA adapters" in (first / "report.md").read_text()
+    plain = got["plain"]["by_adapter"]["lora"]
+    assert plain["median"] < 0 and plain["median_abs"] > 2 * by["lora"]["median_abs"], (
+        plain, by)

@@ -152,6 +152,7 @@ def _load_profile_arg(value: str, model: str, error: type[Exception]) -> Any:
 def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
     import math
     import sys
+    from dataclasses import replace
     from pathlib import Path
 
     import aiohttp
@@ -185,11 +186,20 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
                     ) from None
     if not loads or any(not 0 < x <= 2 for x in loads):
         raise error(f"--loads: fractions of capacity in (0, 2], got {args.loads!r}")
+    loras = tuple(dict.fromkeys(x.strip() for x in (args.lora or "").split(",") if x.strip()))
+    if args.max_loras is not None:
+        spec = replace(spec, config=replace(spec.config, max_loras=args.max_loras))
+    if loras and not spec.config.max_loras:
+        raise error("--lora: the profile's config has no max_loras (LoRA off): give the "
+                    "server's --max-loras")
+    if not 0 < args.lora_share <= 1:
+        raise error(f"--lora-share: a fraction in (0, 1], got {args.lora_share:g}")
     cfg = spec.config
     max_prompt = min(args.max_prompt, cfg.max_model_len - args.max_output - 1)
     if max_prompt < args.min_prompt:
         raise error(f"--max-prompt: the instance holds at most {cfg.max_model_len} tokens")
-    mix = Mix(args.min_prompt, max_prompt, args.min_output, args.max_output)
+    mix = Mix(args.min_prompt, max_prompt, args.min_output, args.max_output, loras,
+              args.lora_share)
     clients = args.capacity_clients or min(cfg.max_num_seqs, 64)
     cap_requests = args.capacity_requests or 3 * clients
     say = (lambda m: None) if args.quiet else (lambda m: print(f"duetime validate: {m}",
@@ -240,16 +250,22 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
             raise error(str(e)) from None
         except OSError as e:
             raise error(f"{args.url}: {e}") from None
-    for arr in arrivals:  # (each run is its own trace: replayed on its own)
-        for load in loads:
-            replay([r for r in recs if r.load == load and r.arrivals == arr], spec)
+    try:
+        for arr in arrivals:  # (each run is its own trace: replayed on its own)
+            for load in loads:
+                replay([r for r in recs if r.load == load and r.arrivals == arr], spec)
+    except ValidationError as e:
+        raise error(str(e)) from None
     meta = {"url": args.url, "model": args.model, "profile": args.profile,
             "speed": args.speed, "capacity_rps": cap, "capacity_clients": clients,
             "loads": loads, "arrivals": list(arrivals), "requests_per_run": args.requests,
             "seed": args.seed, "mix": {"min_prompt": mix.min_prompt,
                                        "max_prompt": mix.max_prompt,
                                        "min_output": mix.min_output,
-                                       "max_output": mix.max_output}}
+                                       "max_output": mix.max_output,
+                                       **({"loras": sorted({r.lora for r in recs} - {""}),
+                                           "lora_share": mix.lora_share}
+                                          if any(r.lora for r in recs) else {})}}
     server = {load: {"server": {k: t / c for k, (t, c) in sums.items() if c > 0},
                      "replay": replay_means([r for r in recs if r.load == load], spec)}
               for load, sums in server_sums.items() if sums}
@@ -260,6 +276,9 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
         "--out", args.out, "--loads", ",".join(f"{x:g}" for x in loads), "--arrivals",
         args.arrivals, "--requests", str(args.requests), "--seed", str(args.seed),
         *(["--speed", f"{args.speed:g}"] if args.speed != 1.0 else []),
+        *(["--lora", ",".join(loras), "--lora-share", f"{args.lora_share:g}"] if loras
+          else []),
+        *(["--max-loras", str(args.max_loras)] if args.max_loras is not None else []),
         *(["--trace", args.trace] if args.trace else [])])
     out = Path(args.out)
     try:
@@ -273,6 +292,9 @@ def _cmd_validate(args: argparse.Namespace, error: type[Exception]) -> int:
           + (f"; live gateway forecasts {summary['live_ttft_median_abs_pct_error']:.1%}, "
              f"{summary['live_ttft_p90_abs_pct_error']:.1%}"
              if math.isfinite(summary["live_ttft_median_abs_pct_error"]) else "")
+          + (f"; on adapters {summary['by_adapter']['lora']['median_abs']:.1%}, on the base "
+             f"model {summary['by_adapter']['base']['median_abs']:.1%}"
+             if "by_adapter" in summary else "")
           + f"); ITL |error| median {summary['itl_median_abs_pct_error']:.1%} (with the "
           f"step-time correction {summary['step_itl_median_abs_pct_error']:.1%}) over "
           f"{summary['requests']} "
@@ -328,4 +350,13 @@ def add_validate_command(sub: Any, command: Any, error: type[Exception]) -> None
     p.add_argument("--trace", default=None, metavar="CSV",
                    help="replay the requests of an earlier run's results.csv with --profile "
                    "instead of driving the server (URL is then only reported)")
+    p.add_argument("--lora", default=None, metavar="A,B,...",
+                   help="LoRA adapters the server serves: --lora-share of the requests go to "
+                   "one of them (drawn uniformly), replayed with the profile's max_loras and "
+                   "LoRA terms (`duetime calibrate --lora`); the report gives the error on "
+                   "adapters and on the base model")
+    p.add_argument("--lora-share", type=float, default=0.5, metavar="F",
+                   help="the fraction of requests on adapters (default 0.5)")
+    p.add_argument("--max-loras", type=count, default=None, metavar="N",
+                   help="the server's --max-loras (default: the profile's config)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

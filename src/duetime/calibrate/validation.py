@@ -67,17 +67,27 @@ class ValidationError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Mix:
-    """The request mix: prompt and output length ranges (tokens)."""
+    """The request mix: prompt and output length ranges (tokens); with ``loras`` (adapters the
+    server serves), a ``lora_share`` of the requests on one of them, drawn uniformly."""
 
     min_prompt: int = 16
     max_prompt: int = 1500
     min_output: int = 8
     max_output: int = 128
+    loras: tuple[str, ...] = ()
+    lora_share: float = 0.5
 
     def draw(self, rng: random.Random) -> tuple[int, int]:
         lo, hi = math.log(self.min_prompt), math.log(self.max_prompt)
         return (round(math.exp(rng.uniform(lo, hi))),
                 rng.randint(self.min_output, self.max_output))
+
+    def adapter(self, rng: random.Random) -> str:
+        """A request's adapter ("": the base model; without adapters nothing is drawn, so a
+        trace is the one before adapters)."""
+        if not self.loras or rng.random() >= self.lora_share:
+            return ""
+        return rng.choice(self.loras)
 
 
 @dataclass(slots=True)
@@ -96,6 +106,7 @@ class Record:
     chunks: int = 0
     error: str | None = None
     last_token: float = math.nan  # the last chunk that carried text
+    lora: str = ""  # its LoRA adapter ("": the base model)
     live_ttft: float = math.nan  # a duetime gateway's forecast (x-duetime-forecast-ttft-ms)
     predicted_ttft: float = math.nan
     predicted_e2e: float = math.nan
@@ -164,7 +175,7 @@ class Client:
     async def send(self, rec: Record, t0: float) -> None:
         """Send ``rec`` (at ``t0 + rec.sent``) and record its timeline."""
         prompt = self.prompt(rec)
-        body = {"model": self.model, "prompt": prompt, "max_tokens": rec.max_tokens,
+        body = {"model": rec.lora or self.model, "prompt": prompt, "max_tokens": rec.max_tokens,
                 "ignore_eos": True, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         await asyncio.sleep(max(0.0, t0 + rec.sent - time.monotonic()))
@@ -220,6 +231,7 @@ def read_results(path: str) -> list[Record]:
                 itl = float(row.get("itl_s") or "nan")
                 r.last_token = r.first_token + itl * max(r.output_tokens - 1, 0)
                 r.live_ttft = float(row.get("live_ttft_s") or "nan")
+                r.lora = row.get("lora") or ""
             except (KeyError, TypeError, ValueError) as e:
                 raise ValueError(f"{path}: row {i + 1}: not a duetime validate results.csv "
                                  f"row ({e})") from None
@@ -237,7 +249,9 @@ def trace(load: float, capacity: float, arrivals: str, n: int, mix: Mix,
     out = []
     for i, t in enumerate(times.tolist()):
         p, o = mix.draw(rng)
-        out.append(Record(f"{arrivals}-{load:g}-{i}", load, arrivals, float(t), p, o))
+        rec = Record(f"{arrivals}-{load:g}-{i}", load, arrivals, float(t), p, o)
+        rec.lora = mix.adapter(rng)
+        out.append(rec)
     return out
 
 
@@ -252,6 +266,8 @@ async def measure_capacity(client: Client, mix: Mix, clients: int, n: int,
     """Requests per second the server completes with ``clients`` in a closed loop."""
     rng = random.Random(seed)
     todo = [Record(f"cap-{i}", 0.0, "closed", 0.0, *mix.draw(rng)) for i in range(n)]
+    for rec in todo:
+        rec.lora = mix.adapter(rng)
     queue = list(reversed(todo))
     t0 = time.monotonic()
 
@@ -325,8 +341,14 @@ def _run(done: list[Record], spec: InstanceSpec,
          steps: StepLearner | None = None) -> list[tuple[float, float]]:
     """Each request's (first token, last token) in the replay of ``done`` (in send order):
     through the API server's queue where the profile has one; with ``steps``, the engine's
-    step time scaled at each send by the step correction learnt so far."""
+    step time scaled at each send by the step correction learnt so far. Adapters get ids 1..
+    in the order of their names (any distinct ids: the scheduler only compares them)."""
     eng = Engine(spec.config, spec.batch_time, time=done[0].sent)
+    names = sorted({r.lora for r in done} - {""})
+    if names and not spec.config.max_loras:
+        raise ValidationError("requests on LoRA adapters, but the profile's config has no "
+                              "max_loras (the server's --max-loras)")
+    ids = {"": 0, **{name: k + 1 for k, name in enumerate(names)}}
     applied = 1.0
 
     def rescale(t: float) -> None:
@@ -341,13 +363,13 @@ def _run(done: list[Record], spec: InstanceSpec,
         for r in done:
             fronted.advance(r.sent)
             rescale(r.sent)
-            fronted.submit(r.id, r.prompt_tokens, r.output_tokens, r.sent)
+            fronted.submit(r.id, r.prompt_tokens, r.output_tokens, r.sent, lora=ids[r.lora])
         fronted.drain()
         return [(fronted.delivered[r.id].first, fronted.delivered[r.id].last) for r in done]
     for r in done:
         eng.run_until(r.sent)
         rescale(r.sent)
-        eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent)
+        eng.add(r.id, r.prompt_tokens, r.output_tokens, arrival=r.sent, lora=ids[r.lora])
     eng.drain()
     cols = eng.lookup([r.id for r in done])
     return list(zip(cols.first_token.tolist(), cols.finish_time.tolist(), strict=True))

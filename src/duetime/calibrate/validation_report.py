@@ -16,7 +16,8 @@ from duetime.calibrate.validation import Record, error_stats, errors
 
 CSV_FIELDS = ("id", "load", "arrivals", "sent_s", "prompt_tokens", "output_tokens", "chunks",
               "ttft_s", "predicted_ttft_s", "corrected_ttft_s", "e2e_s", "predicted_e2e_s",
-              "error", "itl_s", "predicted_itl_s", "live_ttft_s", "step_ttft_s", "step_itl_s")
+              "error", "itl_s", "predicted_itl_s", "live_ttft_s", "step_ttft_s", "step_itl_s",
+              "lora")
 
 # per load: {"server": vLLM's histogram means over the load's runs, "replay": the replay's}
 ServerComparison = dict[float, dict[str, dict[str, float]]]
@@ -32,6 +33,9 @@ def summarize(recs: list[Record], meta: dict[str, Any],
     _errors_into(out, recs)
     out["requests"] = len(recs)
     out["failed"] = sum(not r.ok for r in recs)
+    adapters = any(r.lora for r in recs)
+    if adapters:
+        out["by_adapter"] = _by_adapter(recs)
     per: dict[str, Any] = {}
     for load in loads:
         sub = [r for r in recs if r.load == load]
@@ -44,12 +48,20 @@ def summarize(recs: list[Record], meta: dict[str, Any],
         row["by_arrivals"] = {a: error_stats(errors([r for r in sub if r.arrivals == a],
                                                     "ttft"))
                               for a in sorted({r.arrivals for r in sub})}
+        if adapters:
+            row["by_adapter"] = _by_adapter(sub)
         cmp = (server or {}).get(load)
         if cmp:
             row["server"] = _server_row(cmp["server"], cmp["replay"])
         per[f"{load:g}"] = row
     out["per_load"] = per
     return out
+
+
+def _by_adapter(recs: list[Record]) -> dict[str, Any]:
+    """TTFT errors of the requests on the base model and of those on adapters."""
+    return {"base": error_stats(errors([r for r in recs if not r.lora], "ttft")),
+            "lora": error_stats(errors([r for r in recs if r.lora], "ttft"))}
 
 
 def _server_row(srv: dict[str, float], rep: dict[str, float]) -> dict[str, float | None]:
@@ -109,6 +121,27 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def adapter_table(summary: dict[str, Any]) -> str:
+    """With LoRA adapters in the mix: the TTFT error on the base model and on adapters, per
+    load and pooled (a paragraph and a table; "" without adapters)."""
+    if "by_adapter" not in summary:
+        return ""
+    lines = ["## LoRA adapters\n",
+             f"{summary['mix'].get('lora_share', 0):.0%} of the requests on the adapters "
+             f"{', '.join(summary['mix'].get('loras', []))} (drawn uniformly), the rest on the "
+             "base model; the replay runs them with the profile's `max_loras` and LoRA "
+             "terms.\n",
+             "| load | base TTFT abs err p50 | p90 | adapters TTFT abs err p50 | p90 | "
+             "adapters bias |", "|---|---|---|---|---|---|"]
+    rows = [*((k, v["by_adapter"]) for k, v in summary["per_load"].items()),
+            ("all", summary["by_adapter"])]
+    for load, b in rows:
+        lines.append(f"| {load} | {_pct(b['base']['median_abs'])} | "
+                     f"{_pct(b['base']['p90_abs'])} | {_pct(b['lora']['median_abs'])} | "
+                     f"{_pct(b['lora']['p90_abs'])} | {_pct(b['lora']['median'])} |")
+    return "\n".join(lines) + "\n\n"
+
+
 def _ms(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x * 1000:.1f} ms"
 
@@ -149,7 +182,8 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
                         r.output_tokens, r.chunks, f"{r.ttft:.6f}", f"{r.predicted_ttft:.6f}",
                         f"{r.corrected_ttft:.6f}", f"{r.e2e:.6f}", f"{r.predicted_e2e:.6f}",
                         r.error or "", f"{r.itl:.6f}", f"{r.predicted_itl:.6f}",
-                        f"{r.live_ttft:.6f}", f"{r.step_ttft:.6f}", f"{r.step_itl:.6f}"])
+                        f"{r.live_ttft:.6f}", f"{r.step_ttft:.6f}", f"{r.step_itl:.6f}",
+                        r.lora])
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     _plots(out, recs)
     m = summary
@@ -166,6 +200,7 @@ def write(out: Path, recs: list[Record], summary: dict[str, Any], command: str) 
             "observed trace with the profile); `bias` is the median signed error (negative: "
             "the model predicts low); `corrected`: with the gateway's online correction, each "
             "prediction scaled by what the requests answered before it was sent taught.\n\n" + table(summary) + "\n\n"
+            + adapter_table(summary) +
             "## Batch time, the engine and the gateway\n\n"
             "`ITL`: each request's mean inter-token latency (its decode steps), replayed against "
             "observed. `step-corrected`: a second replay whose step time is scaled at each send by "
