@@ -13,6 +13,7 @@ LoRA request may get an adapter, depending on what its last slot holds — is de
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -348,3 +349,43 @@ def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -
     assert got["a1"]["choices"][0]["logprobs"]["token_logprobs"] != pytest.approx(
         got["a2"]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
     assert missing == 404
+
+
+def test_calibrate_and_validate_with_adapters(lora_server: LoraServer, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``duetime calibrate --lora`` fits the LoRA terms of a real vLLM with adapters (its steps
+    with LoRA are slower: ``scripts/vllm_cpu/README.md``), and ``duetime validate --lora``
+    drives it with half the requests on adapters and reports their error apart. (How small the
+    error is, is measured on tiny-large by ``benchmarks/lora_fidelity_vllm.py``: on this
+    2-core machine tiny-small's client-side timings are the processes sharing a core, see
+    ``test_fidelity.py``.)"""
+    import yaml
+
+    from duetime.cli import main
+
+    profile = tmp_path / "profile.yaml"
+    assert main(["calibrate", lora_server.base_url, "--model", MODEL,
+                 "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+                 "--max-model-len", "2048", "--reps", "2", "--lora", STATIC[0],
+                 "--max-loras", str(MAX_LORAS), "--out", str(profile)]) == 0
+    text = profile.read_text()
+    entry = yaml.safe_load(text)
+    c = entry["batch_time"]["coefficients"]
+    assert entry["config"]["max_loras"] == MAX_LORAS
+    assert "lora prefill" in text and "lora decode" in text  # (the fit's comment)
+    # a one-token decode step costs more on an adapter (measured there: 2.6 -> 4.1-4.3 ms)
+    base_step = c["b0"] + c["b1"]
+    assert c.get("lora_step", 0) + c.get("lora_decode", 0) > 0.1 * base_step, c
+    out = tmp_path / "val"
+    assert main(["validate", lora_server.base_url, "--model", MODEL, "--profile", str(profile),
+                 "--out", str(out), "--loads", "0.5", "--requests", "24", "--max-prompt",
+                 "512", "--max-output", "32", "--pause", "0.2", "--lora", ",".join(STATIC),
+                 "--quiet"]) == 0
+    assert "on adapters" in capsys.readouterr().out
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == 0
+    by = summary["by_adapter"]
+    assert by["lora"]["n"] > 0 and by["base"]["n"] > 0
+    assert all(math.isfinite(by[k]["median_abs"]) for k in ("lora", "base"))
