@@ -140,3 +140,33 @@ def test_adapter_config_errors_name_their_field(change, where, why):
     with pytest.raises(ConfigError, match=why) as info:
         pool_from_dict(d, "pool.yaml")
     assert where in str(info.value)
+
+
+def test_a_task_maps_a_base_model_request_to_its_best_rated_adapter():
+    """The quality table rates adapters per task: a request for the base model with task
+    ``math`` runs on adapter x (rated above the base model and y for it), asked for by name
+    where x is served; with task ``chat`` (no adapter rated) it stays on the base model; a
+    request naming an adapter is scored with that adapter's accuracy."""
+    cfg = lora_config("sfs")
+    cfg["quality"]["tasks"] = {"chat": {"base": 0.8}, "math": {"base": 0.4, "x": 0.9, "y": 0.6}}
+
+    async def go():
+        async with gateway(cfg) as (_svc, c):
+            for _ in range(3):
+                r = await c.post("/v1/completions", json={"model": "base", "prompt": "2+2",
+                                                           "max_tokens": 2},
+                                 headers={"x-duetime-task": "math"})
+                assert r.status_code == 200, r.text
+                assert r.headers["x-duetime-instance"] == "a" and r.json()["model"] == "x"
+            r = await c.post("/v1/completions", json={"model": "base", "prompt": "hi",
+                                                       "max_tokens": 2},
+                             headers={"x-duetime-task": "chat"})
+            assert r.status_code == 200 and r.json()["model"] == "base"
+            e = (await c.post("/duetime/route", json={"model": "y", "prompt": "2+2"},
+                              headers={"x-duetime-task": "math"})).json()
+            assert {x["quality"] for x in e["candidates"]} == {0.6}, e
+            e = (await c.post("/duetime/route", json={"model": "base", "prompt": "2+2"},
+                              headers={"x-duetime-task": "math"})).json()
+            assert [x["instance"] for x in e["candidates"]] == ["a"], e
+            assert e["candidates"][0]["quality"] == 0.9
+    run(go())

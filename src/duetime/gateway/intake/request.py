@@ -146,26 +146,59 @@ class Intake:
                       else str((scope.get("client") or ("",))[0]))
             ctl = read_controls(scope, self.pool, req.prompt_tokens, client=client)
             policy = self.policies.get(ctl.policy, ctl.lam)
-            cands = self.candidates(req)
+            adapter = self.task_adapter(req.model, ctl.task)
+            if adapter is None and req.model in self.adapter_ids:
+                adapter = req.model
+            cands = self.candidates(req, adapter or req.model)
             if allowed is not None:
                 cands = [s for s in cands if allowed.test(s)]
                 if not cands:
                     raise ApiError(503, allowed.refusal, code="no_healthy_instance")
-            return self._context(req, ctl, arrival, key, grant, policy, cands)
+            return self._context(req, ctl, arrival, key, grant, policy, cands, adapter)
         except ApiError as e:  # (refused once admitted: the answer still carries its limits)
             e.headers += grant.headers
             raise
 
+    def task_adapter(self, model: str | None, task: str) -> str | None:
+        """The LoRA adapter a request for base model ``model`` runs on for ``task``: of the
+        adapters its instances serve, the one the quality table rates highest for the task,
+        where it rates it above the model itself (ties: the first by name); None otherwise
+        (no task given, an alias or an adapter named, no adapter rated for the task)."""
+        row = self.pool.quality.get(task)
+        insts = self.by_model.get(model) if model is not None else None
+        if not row or not insts:
+            return None
+        best, best_q = None, row.get(model, -1.0)  # type: ignore[arg-type]
+        for name in sorted({a for s in insts for a in s.instance.adapters}):
+            q = row.get(name)
+            if q is not None and q > best_q:
+                best, best_q = name, q
+        return best
+
+    def _adapter_quality(self, adapter: str, task: str) -> float | None:
+        """The quality table's accuracy of ``adapter`` for ``task`` (no task given: its mean
+        over the tasks it is rated for); None where it is not rated."""
+        if task in self.pool.quality:
+            return self.pool.quality[task].get(adapter)
+        rated = [row[adapter] for row in self.pool.quality.values() if adapter in row]
+        return sum(rated) / len(rated) if rated else None
+
     def _context(self, req: CompletionRequest, ctl: Controls, arrival: float,
                  key: ApiKey | None, grant: Grant, policy: Policy,
-                 cands: list[InstanceState]) -> RequestContext:
+                 cands: list[InstanceState], adapter: str | None) -> RequestContext:
         """What every attempt of ``req`` shares: its id, predicted output length, the policy's
-        predictions and its prompt's block keys."""
+        predictions (on an adapter the quality table rates, its accuracy for every candidate:
+        each serves it) and its prompt's block keys."""
         default = self.pool.default_output_tokens
         predicted = min(req.max_tokens, default) if req.max_tokens else default
         quality, success, lengths = self.predictions.predict(req, ctl.task, policy.consumes)
-        lora = self.adapter_ids.get(req.model, 0) if req.model is not None else 0
-        adapter = req.model if lora else None
+        lora = self.adapter_ids[adapter] if adapter is not None else 0
+        if adapter is not None:
+            q = self._adapter_quality(adapter, ctl.task)
+            if q is not None:
+                rated = {s.model: q for s in cands}
+                quality = None if quality is None else {**quality, **rated}
+                success = None if success is None else {**success, **rated}
         keys = (KeysByBlockSize(lambda block_size: prompt_block_keys(req, block_size))
                 if adapter is None else  # (on an adapter: its keys carry it, as vLLM's)
                 KeysByBlockSize(lambda block_size: adapter_block_keys(
@@ -192,12 +225,15 @@ class Intake:
         req.token_ids = ids
         return max(1, len(ids))
 
-    def candidates(self, req: CompletionRequest) -> list[InstanceState]:
-        """The instances a request for its model may go to (an alias: all; 404 if unknown)
-        that can hold it (:meth:`SchedulerConfig.refusal`: within ``max_model_len`` and, up
-        to ``max_tokens``, within the KV cache; else it would block that instance's queue for
-        good). None can: 400, with the reason of the one with the largest cache."""
-        model, prompt_tokens, max_tokens = req.model, req.prompt_tokens, req.max_tokens
+    def candidates(self, req: CompletionRequest, model: str | None = None
+                   ) -> list[InstanceState]:
+        """The instances a request for ``model`` (default its own) may go to (an alias: all;
+        an adapter: those serving it; 404 if unknown) that can hold it
+        (:meth:`SchedulerConfig.refusal`: within ``max_model_len`` and, up to ``max_tokens``,
+        within the KV cache; else it would block that instance's queue for good). None can:
+        400, with the reason of the one with the largest cache."""
+        model = req.model if model is None else model
+        prompt_tokens, max_tokens = req.prompt_tokens, req.max_tokens
         if model is None or model in self.pool.aliases:
             insts = self.instances
         elif model in self.adapter_ids:  # a LoRA adapter: the instances that serve it
