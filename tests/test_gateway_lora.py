@@ -170,3 +170,48 @@ def test_a_task_maps_a_base_model_request_to_its_best_rated_adapter():
             assert [x["instance"] for x in e["candidates"]] == ["a"], e
             assert e["candidates"][0]["quality"] == 0.9
     run(go())
+
+
+def test_adapters_loaded_and_unloaded_at_run_time_are_read_from_v1_models():
+    """An instance with LoRA on is read from its ``/v1/models`` every health interval: an
+    adapter loaded there at run time is routed to it (asked for by name), one unloaded is no
+    longer (a 404 once no instance lists it); the change is a membership change."""
+    async def go():
+        async with gateway(lora_config()) as (svc, c):
+            body = {"prompt": "hi", "max_tokens": 2}
+
+            async def listed(name: str, want: bool) -> None:
+                for _ in range(300):
+                    ids = {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
+                    if (name in ids) == want:
+                        return
+                    await asyncio.sleep(0.02)
+                raise AssertionError(f"{name} listed: {not want}")
+
+            r = await c.post("/v1/completions", json={"model": "w", **body})
+            assert r.status_code == 404
+            svc.emulators["a"].load_adapter("w", "/adapters/w")
+            await listed("w", True)
+            r = await c.post("/v1/completions", json={"model": "w", **body})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-duetime-instance"] == "a" and r.json()["model"] == "w"
+            svc.emulators["a"].unload_adapter("x")
+            await listed("x", False)
+            r = await c.post("/v1/completions", json={"model": "x", **body})
+            assert r.status_code == 404, r.text
+            changes = (await c.get("/duetime/instances")).json()
+            assert any(ch["change"] == "adapters" and ch["instance"] == "a"
+                       for ch in changes["membership"]["recent"]), changes
+    run(go())
+
+
+def test_v1_models_answers_are_read_for_their_adapters():
+    from duetime.gateway.state.pollers import listed_adapters
+
+    pool = pool_from_dict(lora_config(), "test")
+    body = (b'{"object":"list","data":[{"id":"base","parent":null},'
+            b'{"id":"x","parent":"base","root":"/a/x"},{"id":"base","parent":"base"},'
+            b'{"id":"z","parent":"base"}]}')
+    assert listed_adapters(body, pool) == ("x", "z")
+    with pytest.raises(ValueError, match="not an OpenAI model list"):
+        listed_adapters(b'{"data": 3}', pool)

@@ -300,7 +300,8 @@ def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -
     """``duetime serve`` in front of the LoRA server (its ``adapters:`` and ``max_loras``): a
     request naming an adapter is sent upstream under that name and answered on it (its
     logprobs are the adapter's, as asked directly); one naming the model runs on the base
-    model; the gateway lists the adapters; an adapter the instance does not list is a 404."""
+    model; the gateway lists the adapters; an adapter the instance does not list is a 404,
+    until it is loaded at run time: the gateway reads vLLM's ``/v1/models`` and routes it."""
     import asyncio
 
     from duetime.gateway import pool_from_dict
@@ -313,10 +314,30 @@ def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -
                        "config": {"max_model_len": 2048, "max_loras": MAX_LORAS},
                        "adapters": list(STATIC),
                        "price_usd_per_mtok": {"prompt": 0.1, "output": 0.1}}],
+        "health": {"interval_s": 0.2},
         "timeouts": {"connect_s": 5.0, "first_token_s": TIMEOUT, "read_s": TIMEOUT}}, "test")
     body = {"prompt": "hello world the answer is", "max_tokens": 4, "logprobs": 3, **GREEDY}
 
-    async def go() -> tuple[dict[str, Any], dict[str, dict[str, Any]], int]:
+    async def runtime(c: httpx.AsyncClient) -> int:
+        """Load the runtime adapter on the server; once the gateway lists it, a request for
+        it through the gateway (its status); unloaded again."""
+        async with httpx.AsyncClient(base_url=lora_server.base_url, timeout=TIMEOUT) as d:
+            r = await d.post("/v1/load_lora_adapter", json={
+                "lora_name": RUNTIME, "lora_path": str(lora_server.adapters[RUNTIME])})
+            assert r.status_code == 200, r.text
+            try:
+                for _ in range(200):
+                    ids = {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
+                    if RUNTIME in ids:
+                        break
+                    await asyncio.sleep(0.05)
+                r = await c.post("/v1/completions", json={"model": RUNTIME, **body})
+                assert r.status_code != 200 or r.json()["model"] == RUNTIME, r.text
+                return r.status_code
+            finally:
+                await d.post("/v1/unload_lora_adapter", json={"lora_name": RUNTIME})
+
+    async def go() -> tuple[dict[str, Any], dict[str, dict[str, Any]], int, int]:
         svc = await Service(pool, drain_timeout_s=3.0).start()
         try:
             async with httpx.AsyncClient(base_url=svc.url, timeout=TIMEOUT) as c:
@@ -329,14 +350,15 @@ def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -
                     out[model] = r.json()
                 missing = (await c.post("/v1/completions",
                                         json={"model": RUNTIME, **body})).status_code
-            return models, out, missing
+                loaded = await runtime(c)
+            return models, out, missing, loaded
         finally:
             await svc.stop()
 
     with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as direct:
         want = {m: _complete(direct, m if m != "tiny" else MODEL).json()
                 for m in ("a1", "a2", "tiny")}
-    models, got, missing = asyncio.run(go())
+    models, got, missing, loaded = asyncio.run(go())
     listed = {m["id"]: m for m in models["data"]}
     assert {"a1", "a2", "a3"} <= set(listed) and listed["a1"]["parent"] == "tiny"
     for model in ("a1", "a2", "tiny"):
@@ -349,6 +371,7 @@ def test_the_gateway_routes_requests_named_by_adapter(lora_server: LoraServer) -
     assert got["a1"]["choices"][0]["logprobs"]["token_logprobs"] != pytest.approx(
         got["a2"]["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
     assert missing == 404
+    assert loaded == 200
 
 
 def test_calibrate_and_validate_with_adapters(lora_server: LoraServer, tmp_path: Path,

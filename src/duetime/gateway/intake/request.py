@@ -103,7 +103,6 @@ class Intake:
         self.auth = auth
         self.policies = policies
         self.predictions = Predictions(pool)
-        self.adapter_ids = pool.adapter_ids
         self.tokenizer: PromptTokenizer | None = None
         if pool.tokenizer is not None:
             self.tokenizer = PromptTokenizer(pool.tokenizer, pool.chat_template)
@@ -116,6 +115,11 @@ class Intake:
         return self.members.serving
 
     @property
+    def adapter_ids(self) -> dict[str, int]:
+        """The LoRA adapters the members serve, with the gateway's ids of them."""
+        return self.members.adapter_ids
+
+    @property
     def by_model(self) -> dict[str, list[InstanceState]]:
         """Each model's serving instances."""
         return self.members.by_model
@@ -125,7 +129,6 @@ class Intake:
         that apply while serving, :mod:`duetime.gateway.changes`)."""
         self.pool = pool
         self.predictions = Predictions(pool)
-        self.adapter_ids = pool.adapter_ids
 
     async def take(self, raw: bytes, scope: Scope, *, arrival: float, chat: bool | None,
                    keys: KeyCheck, allowed: Allowed | None = None) -> RequestContext:
@@ -169,7 +172,7 @@ class Intake:
         if not row or not insts:
             return None
         best, best_q = None, row.get(model, -1.0)  # type: ignore[arg-type]
-        for name in sorted({a for s in insts for a in s.instance.adapters}):
+        for name in sorted({a for s in insts for a in s.adapters}):
             q = row.get(name)
             if q is not None and q > best_q:
                 best, best_q = name, q
@@ -237,7 +240,7 @@ class Intake:
         if model is None or model in self.pool.aliases:
             insts = self.instances
         elif model in self.adapter_ids:  # a LoRA adapter: the instances that serve it
-            insts = [s for s in self.instances if model in s.instance.adapters]
+            insts = [s for s in self.instances if model in s.adapters]
         else:
             found = self.by_model.get(model)
             if found is None:

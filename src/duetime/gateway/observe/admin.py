@@ -34,7 +34,7 @@ def model_objects(gw: GatewayView) -> list[dict[str, Any]]:
               "instances": [s.name for s in insts]}
              for m, insts in gw.intake.by_model.items()]
     for name in gw.intake.adapter_ids:
-        insts = [s for s in gw.intake.instances if name in s.instance.adapters]
+        insts = [s for s in gw.intake.instances if name in s.adapters]
         parents = list(dict.fromkeys(s.model for s in insts))
         data.append({"id": name, "object": "model", "created": created, "owned_by": "duetime",
                      "parent": parents[0] if len(parents) == 1 else parents,

@@ -33,7 +33,7 @@ from duetime.engine.snapshot import Snapshot
 from duetime.estimate.base import GATEWAY_TIE, InstanceStats
 from duetime.estimate.correction import StepCorrection, TtftCorrection
 from duetime.estimate.prefix_index import EngineCacheIndex
-from duetime.gateway.config import Instance, Pool
+from duetime.gateway.config import Instance, Pool, adapter_id
 from duetime.gateway.prometheus import GatewayMetrics
 from duetime.gateway.state.event_cache import EventCache
 from duetime.gateway.state.flight import Flight, FlightStore
@@ -84,7 +84,9 @@ class InstanceState:
         self.name = instance.name
         self.model = instance.model
         self.state_spec = pool.state
-        self.adapter_ids = pool.adapter_ids  # (the pool's ids of LoRA adapters, by name)
+        # the LoRA adapters it serves as its /v1/models lists them (None: not read yet, or
+        # LoRA off: its configured ones stand; see adapters)
+        self.loaded_adapters: tuple[str, ...] | None = None
         self.candidate = Candidate(instance.name, instance.model, instance.price_prompt,
                                    instance.price_output, self)
         self.ledger = Ledger(instance.name, flights)
@@ -276,16 +278,22 @@ class InstanceState:
         return self.snapshot().kv_usage
 
     @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters it serves: as its ``/v1/models`` last listed them, else as its
+        config lists them (:mod:`~duetime.gateway.state.pollers`)."""
+        loaded = self.loaded_adapters
+        return self.instance.adapters if loaded is None else loaded
+
+    @property
     def lora_adapters(self) -> tuple[frozenset[int], int]:
         """The LoRA adapters of its requests scheduled and not finished (by the gateway's ids:
-        :attr:`~duetime.gateway.config.Pool.adapter_ids`) and its ``max_loras``: from a fresh
+        :func:`~duetime.gateway.config.adapter_id`) and its ``max_loras``: from a fresh
         scrape of ``vllm:lora_requests_info`` where it exports one, else from the snapshot
         (the replica's requests, on their adapters)."""
         cfg = self.instance.config.max_loras
         scraped = self.scraped
         if scraped.lora_names is not None and self._scrape_fresh(time.monotonic()):
-            ids = self.adapter_ids
-            return (frozenset(ids[n] for n in scraped.lora_names if n in ids),
+            return (frozenset(adapter_id(n) for n in scraped.lora_names),
                     scraped.max_lora or cfg)
         return self.snapshot().live_adapters(), cfg
 

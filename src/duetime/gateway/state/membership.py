@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from duetime.gateway.config import adapter_id
 from duetime.gateway.prometheus import GatewayMetrics
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Phase(enum.Enum):
     DRAINING = "draining"
 
 
-CHANGES = ("join", "ready", "update", "drain", "leave")
+CHANGES = ("join", "ready", "update", "drain", "leave", "adapters")  # (adapters: /v1/models)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +78,7 @@ class Membership:
         self.listeners: list[Listener] = []
         self.recent: deque[Change] = deque(maxlen=RECENT_CHANGES)
         self.version = 0  # changes so far
+        self._adapter_ids: tuple[int, dict[str, int]] = (-1, {})  # (at version, ids)
         for s in instances:
             s.phase = Phase.SERVING
             self.members[s.name] = s
@@ -105,6 +107,25 @@ class Membership:
         for phase in Phase:
             self.metrics.members.labels(phase.value).set(
                 sum(s.phase is phase for s in self.members.values()))
+
+    @property
+    def adapter_ids(self) -> dict[str, int]:
+        """Each LoRA adapter a member serves (:attr:`InstanceState.adapters`: listed by its
+        ``/v1/models``, else by its config), by name, with the gateway's id of it
+        (:func:`~duetime.gateway.config.adapter_id`); rebuilt after a change."""
+        at, ids = self._adapter_ids
+        if at != self.version:
+            ids = {a: adapter_id(a) for s in self.members.values() for a in s.adapters}
+            self._adapter_ids = (self.version, ids)
+        return ids
+
+    def adapters_listed(self, s: InstanceState, names: tuple[str, ...]) -> None:
+        """The member's ``/v1/models`` listed these adapters: they are what it serves from now
+        on (a change when they differ from what it served)."""
+        before = s.adapters
+        s.loaded_adapters = names
+        if names != before:
+            self._changed("adapters", s, f"/v1/models lists {', '.join(names) or 'none'}")
 
     def _changed(self, change: str, s: InstanceState, why: str) -> None:
         c = Change(time.time(), change, s.name, why)

@@ -5,8 +5,11 @@ consumes load gauges (or when ``state.source`` pins a source), every
 ``state.scrape_interval_s`` while requests come and every ``state.idle_scrape_interval_s``
 after ``IDLE_AFTER_S`` without any (no decision needs fresh state then, and a quiet gateway
 should stay quiet); a request ends an idle wait at once. An instance that answers 404 is not
-polled again. Every ``health.interval_s`` each instance's ``/health`` is probed. Once, at
-start, each instance's KV cache config is read from ``/metrics`` (``vllm:cache_config_info``).
+polled again. Every ``health.interval_s`` each instance's ``/health`` is probed, and the
+``/v1/models`` of one with LoRA on (``config.max_loras``): the adapters it lists (those with a
+``parent``, as vLLM lists them: loaded at start or at run time) are what it serves from then
+on. Once, at start, each instance's KV cache config is read from ``/metrics``
+(``vllm:cache_config_info``).
 
 The pollers follow the pool's membership (:mod:`~duetime.gateway.state.membership`): a
 joining instance is probed every :data:`JOIN_PROBE_S` until its ``/health`` answers 200 (then
@@ -74,6 +77,8 @@ class Pollers:
         if self.metrics:
             tasks.append(loop.create_task(self._poll(s, "/metrics")))
         tasks.append(loop.create_task(self._cache_config(s)))
+        if s.instance.config.max_loras:
+            tasks.append(loop.create_task(self._adapters(s)))
         if s.phase is Phase.DRAINING:
             tasks.append(loop.create_task(self._drain(s)))
 
@@ -176,6 +181,27 @@ class Pollers:
                 pass  # not up yet: the health loop reports it
             await asyncio.sleep(self.pool.health.interval_s)
 
+    async def _adapters(self, s: InstanceState) -> None:
+        """Read the LoRA adapters an instance serves from its ``/v1/models`` every
+        ``health.interval_s`` (until it answers 404: then its configured ones stand)."""
+        reported = ""
+        while True:
+            try:
+                r = await self._upstream().get(s.url + "/v1/models", self.pool.health.timeout_s)
+                if r.status == 404:
+                    return
+                if r.status == 200:
+                    self.members.adapters_listed(s, listed_adapters(r.body, self.pool))
+                    reported = ""
+            except UpstreamError:
+                pass  # the health loop deals with unreachable instances
+            except ValueError as e:
+                if str(e) != reported:
+                    reported = str(e)
+                    log.warning("bad /v1/models answer", extra={"fields": {
+                        "instance": s.name, "error": reported}})
+            await asyncio.sleep(self.pool.health.interval_s)
+
     async def _check(self, s: InstanceState) -> tuple[bool, str]:
         """Whether the instance's ``/health`` answers 200 now, and why not."""
         try:
@@ -213,3 +239,16 @@ class Pollers:
             await asyncio.sleep(interval)
             await asyncio.gather(*(self._probe(s) for s in self.members),
                                  return_exceptions=True)
+
+
+def listed_adapters(body: bytes, pool: Pool) -> tuple[str, ...]:
+    """The LoRA adapters of a ``/v1/models`` answer: its models with a ``parent`` (vLLM lists
+    an adapter so, the base model without one), in its order, but for names the pool gives
+    its models or aliases (a request for those means them). ValueError for another shape."""
+    try:
+        data = json.loads(body)["data"]
+        cards = [(str(m["id"]), m.get("parent")) for m in data]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not an OpenAI model list ({type(e).__name__}: {e})") from None
+    taken = {*pool.models, *pool.aliases}
+    return tuple(dict.fromkeys(name for name, parent in cards if parent and name not in taken))
