@@ -232,6 +232,10 @@ def _check_probe(config: SchedulerConfig, prompt_tokens: int,
     return 1
 
 
+# rows a LoRA probe's admission is looked for in Python before the compiled scan takes over
+SCAN_AFTER = 8
+
+
 def _check_lora(lora: int) -> int:
     if isinstance(lora, bool) or not isinstance(lora, int | np.integer) or lora < 0:
         raise ForecastError(f"lora: must be an adapter id >= 0 (0: the base model), got "
@@ -549,6 +553,7 @@ class Forecaster:
         if s is not None:
             need_flags = kn.TAIL | kn.SEATS
             loras = self._loras
+            passed = 0  # rows passed over for a LoRA probe (see SCAN_AFTER)
             while True:
                 if s >= self._n:
                     # (a probe on a cold adapter may wait long: the base grows geometrically)
@@ -564,7 +569,9 @@ class Forecaster:
                         loras and lora > 0 and row[kn.REC_NL] == loras
                         and lora not in row[kn.REC_ADAPTERS:kn.REC_ADAPTERS + loras]):
                     s += 1
-                    if loras:  # (compiled: a cold adapter may wait a thousand steps)
+                    passed += 1
+                    if loras and passed >= SCAN_AFTER:  # (compiled past the first rows: a
+                        # cold adapter may wait a thousand steps; a call costs ~1 us)
                         s = kn.scan_admission(self._rec, s, self._n, lora, loras)
                     continue
                 if loras and lora > 0 and row[kn.REC_NL] > loras:
