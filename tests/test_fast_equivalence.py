@@ -191,3 +191,39 @@ def test_prefix_caching_runs_as_plain_python_without_numba() -> None:
         "    t.test_compiled_engine_caches_prefixes_as_the_reference(seed)\n"
         "print('ok')\n")
     _run_without_jit(code)
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_finish_forecasts_equal_the_replay(chunk: int) -> None:
+    """``Forecaster.finish`` for several output lengths of one probe equals a replay with the
+    probe to its finish (random snapshots, sync, tight caches included): from the base record
+    where it can be (most of them), by replaying where it cannot; async snapshots replay."""
+    checked = from_record = 0
+    for seed in range(chunk * 50, chunk * 50 + 50):
+        rng = random.Random(90_000 + seed)
+        snap = random_snapshot(rng)
+        if seed % 5 == 0:  # (some asynchronous: those are replayed)
+            snap = Snapshot(SchedulerConfig(**{**snap.config.to_dict(),
+                                               "async_scheduling": True}),
+                            snap.model, time=snap.time, running=snap.running_table,
+                            waiting=snap.waiting_table)
+        fc = Forecaster(snap, max_steps=MAX_STEPS)
+        for p in _probe_lengths(rng, snap)[1:3]:
+            outs = [1, rng.randint(2, 20), rng.randint(20, 400)]
+            got = _run(fc.finish, p, outs)
+            want = [_run(replay, snap, p, n, "finish", max_steps=MAX_STEPS) for n in outs]
+            if isinstance(got, ForecastError):
+                assert all(isinstance(w, ForecastError) for w in want), (seed, p)
+                continue
+            for n, g, w in zip(outs, got, want, strict=True):
+                assert not isinstance(w, ForecastError), (seed, p, n)
+                assert g.steps == w.steps, (seed, p, n, g, w)
+                assert math.isclose(g.estimate_s, w.estimate_s, rel_tol=1e-9,
+                                    abs_tol=1e-12), (seed, p, n, g, w)
+                checked += 1
+            first = fc.ttft(p)
+            e = fc._landed  # (how many lengths the record answered: the shortcut is tested)
+            if e is not None and not snap.config.async_scheduling:
+                from_record += sum(fc._decoded(p, n, first, e) is not None for n in outs)
+    assert checked >= 250
+    assert from_record > 100, from_record

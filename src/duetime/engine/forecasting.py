@@ -435,6 +435,7 @@ class Forecaster:
         self._events: tuple[np.ndarray, ...] | None = None  # see events_by_key
         self._room = np.zeros(3, dtype=np.int64)  # see scheduler_kernel.run_base
         self._loras = cfg.max_loras
+        self._landed: int | None = None  # the base step the last probe's prompt ended in
         self._lora_priced = bool(cfg.max_loras) and self._model.prices_lora
         self._rec = np.empty((64, self._rec_columns()), dtype=np.int64)
         self._cum = np.zeros((65, 4), dtype=np.int64)
@@ -522,6 +523,7 @@ class Forecaster:
         _check_probe(self.config, prompt_tokens, None, "first_token")
         if lora and (type(lora) is not int or lora < 0):
             lora = _check_lora(lora)
+        self._landed = None
         p = int(prompt_tokens)
         cap = self._cap
         bs = self._bs
@@ -695,6 +697,7 @@ class Forecaster:
         """The probe's prompt completes in base step ``e`` (``c0`` of it found cached;
         ``extra``: what LoRA adds to its steps)."""
         end = float(self._rec_t[e]) + self._marginal(p, c0, p, sq, nsteps) + extra
+        self._landed = e
         return Forecast(end, e + 1)
 
     def _alone(self, p: int, c: int, extra: float, lora: int = 0) -> Forecast:
@@ -714,6 +717,57 @@ class Forecaster:
         if lora and self._lora_priced:
             own += j * self._model.lora_step + self._model.lora_prefill * rem
         return Forecast(t + own, k + j)
+
+    # -- finish times -----------------------------------------------------------------------------
+
+    def finish(self, prompt_tokens: int, output_tokens: Sequence[int]) -> list[Forecast]:
+        """Finish-time forecasts (``until="finish"``) of one probe of ``prompt_tokens`` tokens,
+        one per output length in ``output_tokens`` (a length predictor's quantiles, say): its
+        first token as :meth:`ttft` finds it, then one token in each later base step that
+        leaves it budget, its own decode terms added (the models are additive over requests).
+        Answered from the base record where the first token is, and where, up to the finish,
+        the base neither preempts, admits nor runs a step without a model, and keeps blocks
+        for the probe's sequence (then it changes nothing the others do); otherwise — and with
+        asynchronous scheduling, prefix caching or LoRA adapters — the length is replayed with
+        the probe, as :func:`replay` does."""
+        _check_probe(self.config, prompt_tokens, None, "first_token")
+        p = int(prompt_tokens)
+        lengths = [_check_probe(self.config, p, n, "finish") for n in output_tokens]
+        cfg = self.config
+        first = e = None
+        if not (cfg.async_scheduling or self._caching or self._loras):
+            first = self.ttft(p)
+            e = self._landed
+        return [(self._decoded(p, n, first, e) if first is not None and e is not None else None)
+                or replay(self.snapshot, p, n, "finish", sigma=self.sigma,
+                          max_steps=self.max_steps) for n in lengths]
+
+    def _decoded(self, p: int, n: int, first: Forecast, e: int) -> Forecast | None:
+        """The probe's finish with ``n`` output tokens, its prompt done in base step ``e``
+        (``first``: that forecast), from the record; None where it must be replayed."""
+        if n == 1:
+            return Forecast(first.estimate_s, first.steps)
+        if p + n >= self.config.max_model_len:
+            return None  # (truncated at max_model_len)
+        target = int(self._cum[e + 1, 2]) + n - 1  # its decode steps: those leaving it budget
+        while int(self._cum[self._n, 2]) < target and self._extend(
+                (target - int(self._cum[self._n, 2])) * self._cap):
+            pass
+        cum, k = self._cum, self._n
+        if int(cum[k, 2]) < target:
+            return None  # the base goes idle first (or cannot go on)
+        k = int(np.searchsorted(cum[:k + 1, 2], target)) - 1  # the step of its last token
+        if int(cum[k + 1, 3]) - int(cum[e + 1, 3]) or (
+                int(self._rec[e + 1:k + 1, 1].min()) < blocks_for(p + n - 1, self._bs)):
+            return None
+        d = n - 1  # decode steps j = 1..d: computed p + j - 1 before it, length p + j
+        ctx = d * p + d * (d - 1) // 2
+        lsum = d * p + d * (d + 1) // 2
+        top, low = p + d, p
+        lsq = (top * (top + 1) * (2 * top + 1) - low * (low + 1) * (2 * low + 1)) // 6
+        own = self._model.duration(d, 0, 0, 0, ctx, lsum, lsq) - self._model.intercept
+        end = float(self._rec_t[k]) + (first.estimate_s - float(self._rec_t[e])) + own
+        return Forecast(end, k + 1)
 
     def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None,
                 lora: int = 0) -> Forecast:
