@@ -203,6 +203,13 @@ def test_estimators() -> None:
     # step 1: w0 400 + w1 112 tokens (budget 512); step 2: w0's decode, w1's last 288 and the
     # probe's 100: 2 steps, 512 + 389 tokens
     assert sfs == pytest.approx(2 * 0.01 + 1e-4 * (512 + 389))
+    # its finish, one decode step per later base step (each 0.01 s + 1e-4 per token), for
+    # several lengths at once: the same numbers as its e2e replay
+    got = SfsEstimator().finishes(v, 100, [1, 5, 40], 0.0)
+    assert got[0] == pytest.approx(sfs)
+    for n, t in zip([5, 40], got[1:], strict=True):
+        assert t == pytest.approx(SfsEstimator().e2e(v, 100, n, 0.0), rel=1e-12)
+        assert t > got[0]
     thr = ThroughputEstimator().ttft(v, 100, 0.0)
     assert thr > 0
     # LPS: alpha = 2/s, mean prompt 100, mean output 10; k = max_num_seqs = 16 (KV is ample);

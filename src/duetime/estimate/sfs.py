@@ -99,6 +99,20 @@ class SfsEstimator:
             return None
         return board.estimates(rows[np.asarray(which, dtype=np.int64)], prompt_tokens, now)
 
+    def finishes(self, view: InstanceView, prompt_tokens: int, output_tokens: Sequence[int],
+                 now: float) -> np.ndarray:
+        """Seconds from ``now`` until a new request finishes, for each of several output
+        lengths (a length distribution's quantiles): the view's kept forecaster answers them
+        from one base trajectory (:meth:`~duetime.engine.forecasting.Forecaster.finish`), plus
+        the request overhead, as the client sees it; inf where it cannot be served there."""
+        fc = forecaster_of(view)
+        try:
+            got = fc.finish(prompt_tokens, output_tokens)
+        except ForecastError:
+            return np.full(len(output_tokens), np.inf)
+        shift = fc.time - now + view.request_overhead_s
+        return np.array([f.estimate_s + shift for f in got])
+
     def e2e(self, view: InstanceView, prompt_tokens: int, output_tokens: int,
             now: float, *, hashes: PromptHashes | None = None, lora: int = 0) -> float:
         """Seconds from ``now`` until a new request of ``output_tokens`` output tokens finishes
