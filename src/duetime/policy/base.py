@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class RoutingRequest:
     policy whenever its request set describes prompts by segments. ``session``: the session (a
     conversation, tenant or query being retried) the request belongs to, if known. ``lora``:
     the LoRA adapter it names (vLLM's ``lora_int_id`` on the candidates; 0: the base model).
+    ``deadline``: seconds left until its end-to-end deadline; ``tpot_target``: its
+    time-per-output-token target (s; both inf: none); ``output_p90``: the 90th percentile of
+    its output length per candidate, where the predictor gives one (``output_tokens`` is the
+    median then): ``sfs-deadline`` reads them (:mod:`duetime.policy.deadline`).
     """
 
     id: str
@@ -51,6 +56,9 @@ class RoutingRequest:
     success: np.ndarray | None = None
     prompt_hashes: Callable[[int], Sequence[int]] | None = None
     lora: int = 0
+    deadline: float = math.inf
+    tpot_target: float = math.inf
+    output_p90: np.ndarray | None = None
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 from duetime.policy.balancing import LoadAware, RoundRobin, ShortestQueue
 from duetime.policy.cache_aware import CacheAware, PrefixLoad
+from duetime.policy.deadline import DeadlineSfs
 from duetime.policy.latency import LatencyAgnostic, Lps, Sfs, SoftSfs, Throughput
 from duetime.policy.lora import LoraAffinity
 from duetime.policy.registry import register
@@ -21,3 +22,4 @@ register(ExpectedTtca)
 register(PrefixLoad)
 register(CacheAware)
 register(LoraAffinity)
+register(DeadlineSfs)
