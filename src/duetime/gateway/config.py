@@ -173,6 +173,35 @@ class TargetSpec(_Strict):
                                        if v is not None})
 
 
+class TaskDeadlineSpec(_Strict):
+    """A class's own deadline rule: the fields given override the pool's."""
+
+    base_ms: float | None = Field(None, ge=0)
+    per_prompt_token_ms: float | None = Field(None, ge=0)
+    per_output_token_ms: float | None = Field(None, ge=0)
+    max_ms: float | None = Field(None, gt=0)
+
+
+class DeadlineSpec(_Strict):
+    """The default end-to-end deadline (from the request's arrival to its last token): base +
+    per prompt token x prompt tokens + per output token x its output tokens (``max_tokens``,
+    else the pool's default), at most ``max_ms``; none while ``base_ms`` is unset. ``tasks``:
+    per task what differs (``base_ms`` set there gives that task deadlines alone)."""
+
+    base_ms: float | None = Field(None, ge=0)
+    per_prompt_token_ms: float = Field(0.0, ge=0)
+    per_output_token_ms: float = Field(0.0, ge=0)
+    max_ms: float | None = Field(None, gt=0)
+    tasks: dict[str, TaskDeadlineSpec] = Field(default_factory=dict)
+
+    def for_task(self, task: str | None) -> DeadlineSpec:
+        own = self.tasks.get(task) if task is not None else None
+        if own is None:
+            return self
+        return self.model_copy(update={k: v for k, v in own.model_dump().items()
+                                       if v is not None})
+
+
 class StateSpec(_Strict):
     source: Literal["auto", "shadow", "published", "metrics"] = "auto"
     scrape_interval_s: float = Field(0.05, ge=0.005, le=60)
@@ -298,6 +327,7 @@ class PoolSpec(_Strict):
     chat_template: str | None = None  # a jinja file: overrides the tokenizer folder's template
     quality: QualitySpec = QualitySpec()
     ttft_target: TargetSpec = TargetSpec()
+    deadline: DeadlineSpec = DeadlineSpec()  # an end-to-end deadline rule (none by default)
     state: StateSpec = StateSpec()
     timeouts: TimeoutSpec = TimeoutSpec()
     health: HealthSpec = HealthSpec()
@@ -391,6 +421,7 @@ class Pool:
     limits: LimitsSpec = DEFAULT_LIMITS  # protocol limits of the gateway's server
     discovery: DiscoverySpec = field(default_factory=DiscoverySpec)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    deadline: DeadlineSpec = field(default_factory=DeadlineSpec)
 
     @property
     def models(self) -> list[str]:
@@ -438,6 +469,17 @@ class Pool:
         """The default TTFT target of a request (its task's rule where it has one)."""
         t = self.target if not self.target.tasks else self.target.for_task(task)
         return min(max(t.base_ms + t.per_prompt_token_ms * prompt_tokens, t.min_ms), t.max_ms)
+
+    def deadline_ms(self, prompt_tokens: int, output_tokens: int,
+                    task: str | None = None) -> float | None:
+        """The default end-to-end deadline of a request (its task's rule where it has one), or
+        None where the rule sets none."""
+        d = self.deadline if not self.deadline.tasks else self.deadline.for_task(task)
+        if d.base_ms is None:
+            return None
+        ms = (d.base_ms + d.per_prompt_token_ms * prompt_tokens
+              + d.per_output_token_ms * output_tokens)
+        return ms if d.max_ms is None else min(ms, d.max_ms)
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -516,6 +558,9 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
         if own.min_ms > own.max_ms:
             raise fail(f"ttft_target.tasks.{task}", f"min_ms {own.min_ms} > max_ms "
                        f"{own.max_ms}")
+    for task in spec.deadline.tasks:
+        if task not in table:
+            raise fail(f"deadline.tasks.{task}", f"unknown task; known: {', '.join(table)}")
     if not math.isfinite(spec.lambda_):
         raise fail("lambda", "must be finite")
     policy, params = _policy(spec.policy, source)
@@ -530,7 +575,8 @@ def _resolve(spec: PoolSpec, source: str) -> Pool:
                 admission=spec.admission, predictor=predictor, tokenizer=tokenizer,
                 chat_template=chat_template, auth=auth, limits=spec.limits,
                 discovery=discovery,
-                autoscale=resolve_autoscale(spec.autoscale, models, base, fail))
+                autoscale=resolve_autoscale(spec.autoscale, models, base, fail),
+                deadline=spec.deadline)
 
 
 def _instances(spec: PoolSpec, workload: Any, source: str, fail: Fail) -> list[Instance]:

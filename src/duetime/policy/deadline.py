@@ -74,11 +74,12 @@ class DeadlineSfs(Policy):
         ttft = self.estimator.ttft(cand.view, req.prompt_tokens, now, hashes=req.prompt_hashes)
         first, end = self.estimator.finishes(cand.view, req.prompt_tokens, [1, n], now)
         tpot = (end - first) / (n - 1) if n > 1 else 0.0
-        return ttft, end, tpot
+        return float(ttft), float(end), float(tpot)
 
     def _meets(self, req: RoutingRequest, f: tuple[float, float, float]) -> bool:
         ttft, end, tpot = f
-        return ttft <= req.ttft_target and end <= req.deadline and tpot <= req.tpot_target
+        return bool(ttft <= req.ttft_target and end <= req.deadline
+                    and tpot <= req.tpot_target)
 
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         u = utility(req, cands, self.lam)

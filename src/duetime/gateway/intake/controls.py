@@ -2,9 +2,14 @@
 bad value):
 
 ========================  ==============================================================
-``x-duetime-ttft-ms``     the TTFT target (else llm-d's ``x-slo-ttft-ms``; else the pool's
-                          rule for the prompt's length)
-``x-slo-tpot-ms``         a time-per-output-token target (counted, not routed on)
+``x-duetime-ttft-ms``     the TTFT target (else llm-d's ``x-slo-ttft-ms`` or
+                          ``x-llm-d-slo-ttft-ms``, SGLang's ``x-sgl-ttft-slo-ms``; else the
+                          pool's rule for the prompt's length)
+``x-duetime-tpot-ms``     a time-per-output-token target (else llm-d's ``x-slo-tpot-ms`` or
+                          ``x-llm-d-slo-tpot-ms``; SGLang's ``x-sgl-tps-slo``, tokens per
+                          second, is its inverse): counted, and ``sfs-deadline`` routes on it
+``x-duetime-deadline-ms`` an end-to-end deadline from arrival to the last token (else the
+                          pool's ``deadline`` rule; none by default): ``sfs-deadline``
 ``x-duetime-priority``    ``critical``, ``standard`` (default) or ``sheddable``
 ``x-duetime-attempted``   models already tried for this question (the retry contract)
 ``x-session-id``          the session (session affinity)
@@ -41,6 +46,7 @@ class Controls:
     task: str
     priority: str = "standard"
     tpot_target_s: float | None = None
+    deadline_s: float | None = None  # from arrival to the last token (None: none)
     client: str = ""
     explain: bool = False
     policy: str | None = None
@@ -61,6 +67,27 @@ def milliseconds(scope: Scope, name: bytes) -> float | None:
         raise ApiError(400, f"{what} must be a number of milliseconds in (0, 3600000], got "
                        f"{raw[:40]!r}", param=what, code="invalid_header")
     return ms
+
+
+def _first_ms(scope: Scope, names: tuple[bytes, ...]) -> float | None:
+    """The first of these headers that is present, in milliseconds (400 on a bad value)."""
+    for name in names:
+        ms = milliseconds(scope, name)
+        if ms is not None:
+            return ms
+    return None
+
+
+def _tpot_ms(scope: Scope) -> float | None:
+    """The time-per-output-token target (ms): ours, llm-d's, or SGLang's tokens per second."""
+    ms = _first_ms(scope, (b"x-duetime-tpot-ms", b"x-slo-tpot-ms", b"x-llm-d-slo-tpot-ms"))
+    if ms is not None:
+        return ms
+    raw = header(scope, b"x-sgl-tps-slo")
+    if raw is None:
+        return None
+    tps = number_in(raw, 1e-3, 1e6, param="x-sgl-tps-slo", code="invalid_header")
+    return 1000.0 / tps
 
 
 def _priority(scope: Scope) -> str:
@@ -111,19 +138,26 @@ def _policy(scope: Scope) -> tuple[str | None, float | None]:
     return name, lam
 
 
-def read_controls(scope: Scope, pool: Pool, prompt_tokens: int, *, client: str) -> Controls:
-    """The request's controls from its headers (``client``: who sends it, for fairness)."""
+def read_controls(scope: Scope, pool: Pool, prompt_tokens: int, *, client: str,
+                  output_tokens: int | None = None) -> Controls:
+    """The request's controls from its headers (``client``: who sends it, for fairness;
+    ``output_tokens``: its ``max_tokens``, for the pool's deadline rule)."""
     task = _task(scope, list(pool.quality), pool.default_task or MEAN_TASK)
-    target_ms = milliseconds(scope, b"x-duetime-ttft-ms")
-    if target_ms is None:
-        target_ms = milliseconds(scope, b"x-slo-ttft-ms")
+    target_ms = _first_ms(scope, (b"x-duetime-ttft-ms", b"x-slo-ttft-ms",
+                                  b"x-llm-d-slo-ttft-ms", b"x-sgl-ttft-slo-ms"))
     if target_ms is None:
         target_ms = pool.target_ms(prompt_tokens, task)
-    tpot_ms = milliseconds(scope, b"x-slo-tpot-ms")
+    tpot_ms = _tpot_ms(scope)
+    deadline_ms = milliseconds(scope, b"x-duetime-deadline-ms")
+    if deadline_ms is None:
+        deadline_ms = pool.deadline_ms(prompt_tokens,
+                                       output_tokens or pool.default_output_tokens, task)
     priority = _priority(scope)
     attempted = _attempted(scope)
     session = header(scope, b"x-session-id") or None
     explain = (header(scope, b"x-duetime-explain") or "").strip().lower() in ("1", "true", "yes")
     policy, lam = _policy(scope)
     return Controls(target_ms / 1000.0, attempted, session, task, priority,
-                    None if tpot_ms is None else tpot_ms / 1000.0, client, explain, policy, lam)
+                    None if tpot_ms is None else tpot_ms / 1000.0,
+                    None if deadline_ms is None else deadline_ms / 1000.0, client, explain,
+                    policy, lam)

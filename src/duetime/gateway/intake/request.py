@@ -147,7 +147,8 @@ class Intake:
         try:
             client = (f"key:{key.name}" if key is not None
                       else str((scope.get("client") or ("",))[0]))
-            ctl = read_controls(scope, self.pool, req.prompt_tokens, client=client)
+            ctl = read_controls(scope, self.pool, req.prompt_tokens, client=client,
+                                output_tokens=req.max_tokens)
             policy = self.policies.get(ctl.policy, ctl.lam)
             adapter = self.task_adapter(req.model, ctl.task)
             if adapter is None and req.model in self.adapter_ids:

@@ -12,6 +12,7 @@ exists). The relay (``duetime serve``) and the picker (``duetime epp``) decide t
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,7 +120,10 @@ class Router:
                       for c in cands]),
             max(0.0, ctl.target_s - (now - ctx.arrival)), ctl.task, ctl.session, ctl.attempted,
             None if success is None else np.array([success[c.model] for c in cands]),
-            ctx.keys, lora=ctx.lora)
+            ctx.keys, lora=ctx.lora,
+            deadline=(math.inf if ctl.deadline_s is None
+                      else ctl.deadline_s - (now - ctx.arrival)),
+            tpot_target=math.inf if ctl.tpot_target_s is None else ctl.tpot_target_s)
 
     def choose(self, ctx: RequestContext, cands: list[InstanceState], *,
                explain: bool = False) -> Choice:
