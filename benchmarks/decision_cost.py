@@ -7,13 +7,17 @@ q/s per replica set), simulated; per pool size and rule, measured side by side i
   whose forecast meets the target;
 * ``least`` (``ranked=0``): the least forecast that meets the target, forecasts pruned by
   a lower bound;
-* ``sample of 2`` (``replica_sample=2``): the least among two drawn at random.
+* ``sample of 2`` (``replica_sample=2``): the least among two drawn at random;
+* ``deadline``: ``sfs-deadline`` (issue 36), candidates best utility first, the first whose
+  forecasts meet the targets (no deadline on the paper's requests: the TTFT target decides),
+  each one a TTFT forecast and a finish forecast at the predicted length (counted apart).
 
     python benchmarks/decision_cost.py [--replicas 1,10,33,100,333] [--load 0.9]
-        [--per-instance 50] [--rules ranked,least,sample] [--seed 0]
+        [--per-instance 50] [--rules ranked,least,sample,deadline] [--seed 0]
 
 Prints one row per pool size and rule: decision p50, mean and p99 (µs), forecasts per
-decision, wall per simulated request, simulated / wall, on-time rate and OnTimeUtility.
+decision (TTFT + finish), wall per simulated request, simulated / wall, on-time rate and
+OnTimeUtility.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from duetime.experiments.runner import Point, Runner
 from duetime.experiments.scale import CAPACITY_QPS
 from duetime.workload import load_workload
 
-RULES = {"ranked": {}, "least": {"ranked": 0}, "sample": {"replica_sample": 2}}
+RULES = {"ranked": ("sfs", {}), "least": ("sfs", {"ranked": 0}),
+         "sample": ("sfs", {"replica_sample": 2}), "deadline": ("sfs-deadline", {})}
 
 
 def main() -> None:
@@ -55,30 +60,37 @@ def main() -> None:
         runner = Runner(prof, seed=args.seed)
         rate = round(args.load * CAPACITY_QPS * r, 6)
         for rule in rules:
-            counted.forecasts = 0
-            row, res = runner.run(Point("sfs", rate, args.per_instance * size,
-                                        params=tuple(RULES[rule].items())))
+            counted.forecasts = counted.finishes = 0
+            policy, params = RULES[rule]
+            row, res = runner.run(Point(policy, rate, args.per_instance * size,
+                                        params=tuple(params.items())))
             o = res.overhead_s * 1e6
             n = len(o)
+            fin = f" + {counted.finishes / n:.2f}" if counted.finishes else ""
             print(f"| {size} | {rule} | {np.median(o):.0f} µs | {o.mean():.0f} µs | "
-                  f"{np.percentile(o, 99):.0f} µs | {counted.forecasts / n:.2f} | "
+                  f"{np.percentile(o, 99):.0f} µs | {counted.forecasts / n:.2f}{fin} | "
                   f"{row['wall_s'] / n * 1e6:.0f} µs | "
                   f"{row['simulated_s'] / row['wall_s']:.1f}x | {row['on_time']:.2%} | "
                   f"{row['ontime_utility']:.4f} |", flush=True)
 
 
 class _Counted:
-    """Counts the SFS forecasts made (wraps the estimator's ``ttft`` for the run)."""
+    """Counts the SFS forecasts made (wraps the estimator's ``ttft`` and ``finishes``)."""
 
     def __init__(self) -> None:
-        self.forecasts = 0
-        inner = SfsEstimator.ttft
+        self.forecasts = self.finishes = 0
+        inner, inner_finishes = SfsEstimator.ttft, SfsEstimator.finishes
 
         def ttft(est, *a, **kw):
             self.forecasts += 1
             return inner(est, *a, **kw)
 
+        def finishes(est, *a, **kw):
+            self.finishes += 1
+            return inner_finishes(est, *a, **kw)
+
         SfsEstimator.ttft = ttft
+        SfsEstimator.finishes = finishes
 
 
 if __name__ == "__main__":
