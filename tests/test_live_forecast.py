@@ -13,7 +13,7 @@ import pytest
 
 from duetime.engine import Engine, Sfs6
 from duetime.engine.config import SchedulerConfig
-from duetime.engine.forecasting import ForecastError, forecast
+from duetime.engine.forecasting import Forecaster, ForecastError, forecast
 from duetime.engine.live_forecast import LiveForecaster
 
 MODEL = Sfs6(c0=0.005, cp=2e-5, cpsq=5e-10, cd=2.5e-5, cs=4e-8, css=2e-13)
@@ -72,6 +72,14 @@ def _same(eng: Engine, probes: list[tuple[int, list[int] | None, int]]) -> None:
         assert (live.estimate_s, live.steps, live.reason) == (want.estimate_s, want.steps,
                                                             want.reason), p
         assert math.isfinite(live.estimate_s) or live.reason
+        if i == 0 and not lora and not snap.config.enable_prefix_caching and (
+                math.isfinite(want.estimate_s)):
+            # its finish from the live record (and past it) as from a fresh one's
+            lengths = [1, 7, 60]
+            got_f, want_f = fc.finish(p, lengths), Forecaster(snap).finish(p, lengths)
+            assert [f.steps for f in got_f] == [f.steps for f in want_f], p
+            assert [f.estimate_s for f in got_f] == pytest.approx(
+                [f.estimate_s for f in want_f], rel=1e-12), p
 
 
 def _random_changes(eng: Engine, rng: random.Random, n: int) -> None:

@@ -727,15 +727,16 @@ class Forecaster:
         leaves it budget, its own decode terms added (the models are additive over requests).
         Answered from the base record where the first token is, and where, up to the finish,
         the base neither preempts, admits nor runs a step without a model, and keeps blocks
-        for the probe's sequence (then it changes nothing the others do); otherwise — and with
-        asynchronous scheduling, prefix caching or LoRA adapters — the length is replayed with
-        the probe, as :func:`replay` does."""
+        for the probe's sequence (then it changes nothing the others do), past the record's
+        end in closed form once the base only decodes (:meth:`_fast_forward`); otherwise —
+        and with prefix caching or LoRA adapters — the length is replayed with the probe, as
+        :func:`replay` does. Synchronous and asynchronous scheduling alike (equal to the
+        replay on random snapshots of both)."""
         _check_probe(self.config, prompt_tokens, None, "first_token")
         p = int(prompt_tokens)
         lengths = [_check_probe(self.config, p, n, "finish") for n in output_tokens]
-        cfg = self.config
         first = e = None
-        if not (cfg.async_scheduling or self._caching or self._loras):
+        if not (self._caching or self._loras):
             first = self.ttft(p)
             e = self._landed
         return [(self._decoded(p, n, first, e) if first is not None and e is not None else None)
@@ -744,30 +745,57 @@ class Forecaster:
 
     def _decoded(self, p: int, n: int, first: Forecast, e: int) -> Forecast | None:
         """The probe's finish with ``n`` output tokens, its prompt done in base step ``e``
-        (``first``: that forecast), from the record; None where it must be replayed."""
+        (``first``: that forecast), from the record, and past its end by
+        :meth:`_fast_forward` once the base only decodes; None where it must be replayed."""
         if n == 1:
             return Forecast(first.estimate_s, first.steps)
         if p + n >= self.config.max_model_len:
             return None  # (truncated at max_model_len)
-        target = int(self._cum[e + 1, 2]) + n - 1  # its decode steps: those leaving it budget
-        while int(self._cum[self._n, 2]) < target and self._extend(
-                (target - int(self._cum[self._n, 2])) * self._cap):
-            pass
-        cum, k = self._cum, self._n
-        if int(cum[k, 2]) < target:
-            return None  # the base goes idle first (or cannot go on)
-        k = int(np.searchsorted(cum[:k + 1, 2], target)) - 1  # the step of its last token
-        if int(cum[k + 1, 3]) - int(cum[e + 1, 3]) or (
-                int(self._rec[e + 1:k + 1, 1].min()) < blocks_for(p + n - 1, self._bs)):
-            return None
         d = n - 1  # decode steps j = 1..d: computed p + j - 1 before it, length p + j
+        target = int(self._cum[e + 1, 2]) + d  # its decode steps: those leaving it budget
+        need = blocks_for(p + d, self._bs)
+        while True:
+            cum, last = self._cum, self._n
+            if int(cum[last, 2]) >= target:  # the record holds its last token
+                k = int(np.searchsorted(cum[:last + 1, 2], target)) - 1
+                if int(cum[k + 1, 3]) - int(cum[e + 1, 3]) or (
+                        int(self._rec[e + 1:k + 1, 1].min()) < need):
+                    return None
+                base_end, steps = float(self._rec_t[k]), k + 1
+                break
+            if int(cum[last, 3]) - int(cum[e + 1, 3]) or (
+                    last > e + 1 and int(self._rec[e + 1:last, 1].min()) < need):
+                return None
+            ff = self._fast_forward(target - int(cum[last, 2]), need)
+            if ff is not None:
+                base_end = (float(self._rec_t[last - 1]) if last else 0.0) + ff
+                steps = last + target - int(cum[last, 2])
+                break
+            if self._failed or not self._extend(8 * self._cap):  # (a few more steps)
+                return None
         ctx = d * p + d * (d - 1) // 2
         lsum = d * p + d * (d + 1) // 2
         top, low = p + d, p
         lsq = (top * (top + 1) * (2 * top + 1) - low * (low + 1) * (2 * low + 1)) // 6
         own = self._model.duration(d, 0, 0, 0, ctx, lsum, lsq) - self._model.intercept
-        end = float(self._rec_t[k]) + (first.estimate_s - float(self._rec_t[e])) + own
-        return Forecast(end, k + 1)
+        return Forecast(base_end + (first.estimate_s - float(self._rec_t[e])) + own, steps)
+
+    def _fast_forward(self, steps: int, probe_blocks: int) -> float | None:
+        """The base's next ``steps`` steps' time, from the end of the record, where it only
+        decodes from there with the probe beside it: nobody waits, every running request has
+        one token to compute, each gets its token every step (seats and budget for all and
+        the probe) and the blocks suffice for all to their ends and the probe's
+        ``probe_blocks``. Then request ``r`` decodes its ``m_r`` remaining tokens in the
+        next ``m_r`` steps (to its stop length or ``max_model_len``), its context growing by
+        one a step, and the steps' features sum in closed form (asynchronously its tokens
+        in flight count as outputs, as the scheduler counts them); None otherwise."""
+        state = self._state
+        ok, n_dec, ctx, lsum, lsq = kn.decode_ahead(state[0], state[2], state[4], state[6],
+                                                    steps, probe_blocks)
+        if not ok:
+            return None
+        return (self._model.duration(n_dec, 0, 0, 0, ctx, lsum, lsq)
+                + (steps - 1) * self._model.intercept)
 
     def _replay(self, p: int, prompt_hashes: Sequence[int] | np.ndarray | None = None,
                 lora: int = 0) -> Forecast:

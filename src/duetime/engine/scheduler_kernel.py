@@ -932,6 +932,46 @@ def scan_admission(rec, s, n, lora, max_loras):  # pragma: no cover - jit
 
 
 @njit(cache=True, nogil=True)
+def decode_ahead(req, run, st, cfg, steps, probe_blocks):  # pragma: no cover - jit
+    """The decode features of the next ``steps`` steps where the state only decodes from
+    here with a probe beside it (:meth:`Forecaster._fast_forward
+    <duetime.engine.forecasting.Forecaster._fast_forward>`): per running request ``r`` its
+    ``m_r`` remaining tokens (to its stop length or ``max_model_len``; asynchronously a token
+    in flight counts as an output) in the next ``m_r`` steps, its context growing by one a
+    step. Returns (ok, decode tokens, Σ context, Σ length, Σ length²); ok is False where a
+    request still prefills, someone waits, seats or budget do not hold everyone and the
+    probe, or the free blocks do not cover everyone's ends and ``probe_blocks``."""
+    nrun = st[NRUN]
+    if st[WC] > 0 or nrun + 1 > cfg[MAXSEQS] or nrun + 1 > cfg[BUDGET]:
+        return False, 0, 0, 0, 0
+    bs, max_len = cfg[BS], cfg[MAXLEN]
+    n_dec = ctx = lsum = lsq = grow = 0
+    for i in range(nrun):
+        r = run[i]
+        prompt, c = req[r, PROMPT], req[r, COMP]
+        out = req[r, OUTPUT] + (req[r, PEND] if cfg[ASYNC] else 0)
+        stop = req[r, STOP] if req[r, STOP] < max_len - prompt else max_len - prompt
+        left = stop - out
+        if left <= 0:
+            continue  # (asynchronously: its last token in flight)
+        length = prompt + out
+        if out < 1 or c != length - 1:
+            return False, 0, 0, 0, 0  # (a prefill still to finish)
+        m = left if left < steps else steps
+        n_dec += m
+        tri = m * (m - 1) // 2
+        ctx += m * c + tri
+        lsum += m * length + tri
+        lsq += m * length * length + length * m * (m - 1) + (m - 1) * m * (2 * m - 1) // 6
+        need = (c + left + bs - 1) // bs - req[r, HELD]
+        if need > 0:
+            grow += need
+    if st[FREE] < grow + probe_blocks:
+        return False, 0, 0, 0, 0
+    return True, n_dec, ctx, lsum, lsq
+
+
+@njit(cache=True, nogil=True)
 def prefill_backlog(req, run, wq, st):  # pragma: no cover - jit
     """Prompt tokens not yet computed over the running requests and the waiting queue."""
     total = 0

@@ -11,7 +11,7 @@ import numpy as np
 from duetime.engine.batch_time import Sfs6
 from duetime.engine.config import SchedulerConfig
 from duetime.engine.engine import Engine
-from duetime.engine.forecasting import forecast
+from duetime.engine.forecasting import forecast, forecaster
 from duetime.engine.wait_estimate import LoadBoard
 
 _warm = False
@@ -39,6 +39,7 @@ def warm_up() -> None:
     eng.run_until(1.0)
     eng.add("c", 10, 2)
     forecast(eng.snapshot(), 64)
+    forecaster(eng.snapshot()).finish(64, [1, 8])  # (the finish from the record, fast-forward)
     eng.first_token_floor(64)
     board.estimates(np.zeros(1, dtype=np.int64), 64, 0.0)
     eng.abort("c")
