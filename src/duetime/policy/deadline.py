@@ -12,9 +12,11 @@ forecasts meet the TTFT target, finish by the deadline and decode within the TPO
 a log-normal length, finishing by the deadline at the q-length is finishing by it with
 probability at least q (a finish is monotone in the length). None does: the least finish.
 
-Candidates are forecast best utility first and the first that qualifies is taken (ties at
-random), so a decision costs what ``sfs``'s lazy search does when the best model qualifies
-— one finish forecast per candidate looked at; more only when the better ones do not.
+Candidates are forecast best utility first and the first that qualifies is taken, so a
+decision costs what ``sfs``'s lazy search does when the best model qualifies — one finish
+forecast per candidate looked at; more only when the better ones do not. Replicas of equal
+utility are looked at in the order of the pool's wait estimates where the instances keep them
+(the simulator: as ``sfs``'s ``ranked`` rule orders them), else at random.
 Without a p90 (``output_p90`` None) the q-length is the median: the "median length plugged
 into a finish forecast" baseline of issue 36.
 """
@@ -27,7 +29,15 @@ from statistics import NormalDist
 import numpy as np
 
 from duetime.estimate import SfsEstimator
-from duetime.policy.base import Candidate, Decision, Described, Policy, RoutingRequest, utility
+from duetime.policy.base import (
+    Candidate,
+    Decision,
+    Described,
+    Policy,
+    RoutingRequest,
+    utility,
+    views_of,
+)
 from duetime.policy.latency import UTILITY_INPUTS
 from duetime.policy.registry import LAMBDA, SEED, SNAPSHOT, Param
 
@@ -81,10 +91,22 @@ class DeadlineSfs(Policy):
         return bool(ttft <= req.ttft_target and end <= req.deadline
                     and tpot <= req.tpot_target)
 
+    # (it orders replicas by the pool's wait estimates: a simulator keeps them on a board)
+    uses_load_board = True
+
+    def _order(self, req: RoutingRequest, cands: list[Candidate], u: np.ndarray,
+               now: float) -> list[int]:
+        """Best utility first; among equals the least wait estimate first (where the views
+        keep the pool's estimates), else at random."""
+        wait = self.estimator.wait_estimates(views_of(cands), range(len(cands)),
+                                             req.prompt_tokens, now)
+        tie = self.rng.random(len(cands)) if wait is None else wait
+        return sorted(range(len(cands)), key=lambda i: (-u[i], tie[i]))
+
     def choose(self, req: RoutingRequest, cands: list[Candidate], now: float) -> Decision:
         u = utility(req, cands, self.lam)
         lengths = length_quantile(req.output_tokens, req.output_p90, self.q)
-        order = sorted(range(len(cands)), key=lambda i: (-u[i], self.rng.random()))
+        order = self._order(req, cands, u, now)
         best, best_end = -1, math.inf
         forecasts: dict[int, tuple[float, float, float]] = {}
         for i in order:
