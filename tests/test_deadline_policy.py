@@ -11,7 +11,7 @@ import pytest
 
 from duetime.engine import Paper4, ResidentRequest, SchedulerConfig, Snapshot
 from duetime.estimate import SfsEstimator
-from duetime.policy import Candidate, RoutingRequest, make_policy
+from duetime.policy import Candidate, PolicyError, RoutingRequest, make_policy
 from duetime.policy.deadline import length_quantile
 
 CFG = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=32, block_size=16)
@@ -44,6 +44,9 @@ def test_the_length_at_q_of_a_log_normal_through_median_and_p90() -> None:
     assert length_quantile(med, p90, 0.9).tolist() == [200, 100, 40]
     assert length_quantile(med, p90, 0.5).tolist() == [100, 100, 40]
     assert length_quantile(med, None, 0.99).tolist() == [100, 100, 40]
+    for q in (0, 1, 1.5):
+        with pytest.raises(PolicyError, match=r"policy\.q"):
+            make_policy("sfs-deadline", {"q": q})
     got = length_quantile(med, p90, 0.99)[0]
     assert 200 < got == pytest.approx(100 * 2 ** (2.3263 / 1.2816), abs=1)
 

@@ -39,7 +39,7 @@ from duetime.policy.base import (
     views_of,
 )
 from duetime.policy.latency import UTILITY_INPUTS
-from duetime.policy.registry import LAMBDA, SEED, SNAPSHOT, Param
+from duetime.policy.registry import LAMBDA, SEED, SNAPSHOT, Param, PolicyError
 
 Q = Param("q", "q", float, 0.9, "the probability of finishing by the deadline a candidate "
           "must reach: its finish is forecast at the output length of that quantile (a "
@@ -73,7 +73,7 @@ class DeadlineSfs(Policy):
                  q: float = Q.default) -> None:
         super().__init__(seed=seed)
         if not 0.0 < q < 1.0:
-            raise ValueError(f"q: a probability in (0, 1), got {q}")
+            raise PolicyError(f"policy.q: must be a probability in (0, 1), got {q}")
         self.lam = lam
         self.q = q
         self.estimator = SfsEstimator()
