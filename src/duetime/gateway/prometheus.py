@@ -115,7 +115,8 @@ class GatewayMetrics:
             "to the best forecast, which misses the target).", ["priority", "outcome"],
             registry=r)
         self.tpot_target = Counter(
-            "duetime_tpot_target", "Requests with an x-slo-tpot-ms target by outcome "
+            "duetime_tpot_target", "Requests with a time-per-output-token target "
+            "(x-duetime-tpot-ms, or llm-d's or SGLang's header) by outcome "
             "(on_time / late): mean time per output token after the first.", ["outcome"],
             registry=r)
         self.fail_open = Counter(
