@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from .conftest import (
+    CALIBRATION_ATTEMPTS,
     MODEL_SEED,
     MODELS,
     REPO,
@@ -387,10 +388,18 @@ def test_calibrate_and_validate_with_adapters(lora_server: LoraServer, tmp_path:
     from duetime.cli import main
 
     profile = tmp_path / "profile.yaml"
-    assert main(["calibrate", lora_server.base_url, "--model", MODEL,
-                 "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-                 "--max-model-len", "2048", "--reps", "2", "--lora", STATIC[0],
-                 "--max-loras", str(MAX_LORAS), "--out", str(profile)]) == 0
+    for attempt in range(1, CALIBRATION_ATTEMPTS + 1):
+        rc = main(["calibrate", lora_server.base_url, "--model", MODEL,
+                   "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+                   "--max-model-len", "2048", "--reps", "2", "--lora", STATIC[0],
+                   "--max-loras", str(MAX_LORAS), "--out", str(profile)])
+        # (seen in CI: no decode sample at all — tiny-small's API server, on a busy machine,
+        # packs a stream's tokens into one or two chunks — a busy moment, not the fit: the
+        # suite's own calibration tries again too, conftest.CALIBRATION_ATTEMPTS)
+        if rc == 0:
+            break
+        print(f"calibrate --lora: attempt {attempt}: {capsys.readouterr().err.strip()}")
+    assert rc == 0
     text = profile.read_text()
     entry = yaml.safe_load(text)
     c = entry["batch_time"]["coefficients"]
