@@ -523,7 +523,6 @@ class Forecaster:
         _check_probe(self.config, prompt_tokens, None, "first_token")
         if lora and (type(lora) is not int or lora < 0):
             lora = _check_lora(lora)
-        self._landed = None
         p = int(prompt_tokens)
         cap = self._cap
         bs = self._bs
@@ -600,7 +599,9 @@ class Forecaster:
         # 2. Progress: the budget the base leaves after its running requests, step by step.
         rem = p - c - x0
         if rem == 0:
-            return self._finish(p, s, x0 * x0, 1, c, self._lora_extra(lora, s, s, x0, x0))
+            return self._finish(p, s, x0 * x0, 1, c,
+                                self._lora_extra(lora, s, s, x0, x0) if self._lora_priced
+                                else 0.0)
         base = int(self._cum[s + 1, 0])
         while int(self._cum[self._n, 0]) - base < rem and self._extend(
                 max(rem - (int(self._cum[self._n, 0]) - base), int(room[0]))):
@@ -622,13 +623,14 @@ class Forecaster:
             done = c + x0 + c_last[0] - base
             sq = x0 * x0 + c_last[1] - c_s[1]
             nsteps = 1 + c_last[2] - c_s[2]
-            return self._alone(p, done, self._marginal(p, c, done, sq, nsteps)
-                               + self._lora_extra(lora, s, n - 1, x0, None), lora)
+            extra = self._lora_extra(lora, s, n - 1, x0, None) if self._lora_priced else 0.0
+            return self._alone(p, done, self._marginal(p, c, done, sq, nsteps) + extra, lora)
         c_e = cum[e].tolist()
         left = rem - (c_e[0] - base)
         sq = x0 * x0 + c_e[1] - c_s[1] + left * left
         nsteps = 2 + c_e[2] - c_s[2]
-        return self._finish(p, e, sq, nsteps, c, self._lora_extra(lora, s, e, x0, left))
+        return self._finish(p, e, sq, nsteps, c, self._lora_extra(lora, s, e, x0, left)
+                            if self._lora_priced else 0.0)
 
     def _hits(self, keys: np.ndarray, stamp: int) -> int:
         """The probe's blocks found cached when it is looked up: its keys cached at the
@@ -674,9 +676,7 @@ class Forecaster:
         that holds a LoRA request costs more over all its tokens
         (:mod:`~duetime.engine.batch_time`), so a probe on an adapter pays that for a
         base-only step it joins, and a base probe pays it for its own tokens in a step with
-        LoRA. 0 when the model does not price LoRA."""
-        if not self._lora_priced:
-            return 0.0
+        LoRA (called only when the model prices LoRA)."""
         x = np.diff(self._cum[s:e + 2, 0])  # y: the probe's tokens in a step between
         x[0] = x0
         if last is not None and e > s:
@@ -737,6 +737,7 @@ class Forecaster:
         lengths = [_check_probe(self.config, p, n, "finish") for n in output_tokens]
         first = e = None
         if not (self._caching or self._loras):
+            self._landed = None  # (set where the TTFT is answered from the record)
             first = self.ttft(p)
             e = self._landed
         return [(self._decoded(p, n, first, e) if first is not None and e is not None else None)
