@@ -60,3 +60,30 @@ def test_a_bad_predictor_is_a_config_error(tmp_path, predictor) -> None:
         inst["model"] = "mystery"
     with pytest.raises(ConfigError, match="knows no model"):
         pool_from_dict(cfg, "pool.yaml")
+
+
+def test_a_deadline_policy_is_given_the_predicted_p90(predictor) -> None:
+    """``sfs-deadline`` reads the length predictor's p90 head: its q = 0.9 length is the p90
+    (capped as the median is), above the median it is given as ``output_tokens``; at q = 0.5
+    the median."""
+    async def go(q: float) -> dict:
+        cfg = config(predictor)
+        cfg["policy"] = {"name": "sfs-deadline", "q": q}
+        svc = await Service(pool_from_dict(cfg, "test"), drain_timeout_s=3.0).start()
+        try:
+            async with httpx.AsyncClient(base_url=svc.url, timeout=20) as c:
+                r = await c.post("/duetime/route", headers={"x-duetime-deadline-ms": "60000"},
+                                 json={"model": "auto", "max_tokens": 100000, "messages": [
+                                     {"role": "user", "content": "Write a long story."}]})
+                assert r.status_code == 200, r.text
+                return r.json()
+        finally:
+            await svc.stop()
+
+    def q_lengths(q: float) -> list[tuple[float, float]]:
+        got = asyncio.run(asyncio.wait_for(go(q), 60))
+        return [(c["output_tokens_q"], c["output_tokens"]) for c in got["candidates"]]
+
+    wide = q_lengths(0.9)  # (lengths are capped where the request's cap is: 256 here)
+    assert all(n_q >= med for n_q, med in wide) and any(n_q > med for n_q, med in wide), wide
+    assert all(n_q == med for n_q, med in q_lengths(0.5))

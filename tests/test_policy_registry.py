@@ -29,7 +29,7 @@ from duetime.workload import load_workload, sample_requests
 
 ALL = ("round-robin", "shortest-queue", "load-aware", "latency-agnostic", "sfs", "sfs-soft",
        "throughput", "lps", "session-affinity", "laar", "ttca", "prefix-load", "cache-aware",
-       "lora-affinity", "sfs-deadline")
+       "lora-affinity", "sfs-deadline", "slo-headroom")
 
 
 def test_every_policy_is_registered_with_its_declarations():
@@ -47,6 +47,7 @@ def test_every_policy_is_registered_with_its_declarations():
     assert consumes("cache-aware") == consumes("prefix-load") == {"load", "prefix_cache"}
     assert consumes("lora-affinity") == {"load", "lora_adapters"}
     assert consumes("sfs-deadline") == consumes("sfs")
+    assert consumes("slo-headroom") == {"snapshot", "output_length"}
 
 
 def test_parameters_are_typed_defaulted_and_checked():

@@ -640,11 +640,20 @@ def lora(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome
     return Outcome(*run_lora(out, quick, seed, log, fanout))
 
 
+def deadlines(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    """Completion deadlines under length uncertainty: sfs-deadline against TTFT-only sfs, the
+    median length in a finish forecast, llm-d's SLO scorer and load-aware
+    (:mod:`duetime.experiments.deadlines`)."""
+    from duetime.experiments.deadlines import run_deadlines
+
+    return Outcome(*run_deadlines(out, quick, seed, log, fanout))
+
+
 EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
     "prefix": prefix, "scale": scale, "replicas": replicas, "plan": plan,
-    "autoscale": autoscale, "lora": lora}
+    "autoscale": autoscale, "lora": lora, "deadlines": deadlines}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,

@@ -18,6 +18,7 @@ from duetime.experiments.fanout import Fanout
 from duetime.metrics import summarize
 from duetime.policy import Policy, make_policy
 from duetime.sim import ClusterSim, SimResult
+from duetime.sim.cluster import LengthModel
 from duetime.sim.fleet import FleetSpec, RouterFleet
 from duetime.workload import RequestSet, WorkloadProfile, make_arrivals, sample_requests
 
@@ -56,6 +57,10 @@ class Runner:
     cache_view: str = "precise"
     step_scale: float = 1.0  # the instances' steps against their calibration (ClusterSim)
     fanout: Fanout = field(default_factory=Fanout)  # where run_all runs (default: here)
+    # predicted output lengths, median and p90 (ClusterSim's length_model, length_p90_model;
+    # picklable where the runs fan out); None: the truth x U(1 -+ length_error), no p90
+    length_model: LengthModel | None = None
+    length_p90_model: LengthModel | None = None
     _streams: dict[tuple, RequestSet] = field(default_factory=dict)
 
     @staticmethod
@@ -86,7 +91,8 @@ class Runner:
                          length_error=self.length_error, quality=self.quality, seed=self.seed,
                          charge_overhead=self.charge_overhead, shadow_estimators=shadow,
                          prefix_caching=self.prefix_caching, cache_view=self.cache_view,
-                         step_scale=self.step_scale)
+                         step_scale=self.step_scale, length_model=self.length_model,
+                         length_p90_model=self.length_p90_model)
         res = sim.run(self.requests(p), closed_loop=closed_loop)
         row: dict[str, Any] = {"router": p.name, "rate": p.rate, "arrivals": p.arrivals}
         if closed_loop is not None:

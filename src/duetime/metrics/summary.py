@@ -5,6 +5,11 @@
 * OnTimeUtility = mean over all requests of utility x 1{on time};
 * AUC of OnTimeUtility over a sweep of arrival rates (trapezoid rule over the rates);
 * forecast MAPE = mean |forecast - realised TTFT| / realised TTFT;
+* with completion deadlines (a request set's ``deadline``): on deadline = finish - arrival <=
+  deadline; OnTimeUtility by deadline = mean of utility x 1{on deadline} (requests without a
+  deadline are on deadline); with TPOT targets (``tpot``): a request's TPOT = (finish - first
+  token) / (output tokens - 1), attained when <= its target, over the requests with a target
+  and more than one output token;
 * cache hit rate (with prefix caching) = prompt tokens found cached / prompt tokens looked up,
   over every instance of the pool (vLLM's prefix_cache_hits / prefix_cache_queries).
 """
@@ -38,10 +43,39 @@ def summarize(res: SimResult) -> dict[str, Any]:
     mape = forecast_mape(res.forecast, ttft)
     if mape is not None:
         out["forecast_mape"] = mape
+    if res.requests.deadline is not None:
+        met = deadline_met(res)
+        out["on_deadline"] = float(np.mean(met))
+        out["deadline_utility"] = float(np.mean(util * met))
+        out["p90_e2e_s"] = float(np.percentile(res.finish - res.requests.arrival, 90))
+    if res.requests.tpot is not None:
+        has, met = tpot_met(res)
+        out["tpot_attainment"] = float(np.mean(met[has])) if has.any() else 1.0
     hit = res.cache_hit_rate
     if hit is not None:
         out["cache_hit_rate"] = hit
     return out
+
+
+def deadline_met(res: SimResult) -> np.ndarray:
+    """Per request: finished by its deadline (True where it has none)."""
+    deadline = res.requests.deadline
+    if deadline is None:
+        return np.ones(len(res.finish), dtype=bool)
+    return (res.finish - res.requests.arrival) <= deadline
+
+
+def tpot_met(res: SimResult) -> tuple[np.ndarray, np.ndarray]:
+    """Per request: whether it has a TPOT target to meet (a finite target and more than one
+    output token), and whether its time per output token met it."""
+    target = res.requests.tpot
+    n = res.output_tokens
+    if target is None:
+        return np.zeros(len(n), dtype=bool), np.ones(len(n), dtype=bool)
+    has = np.isfinite(target) & (n > 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = (res.finish - res.first_token) / np.maximum(n - 1, 1)
+    return has, tpot <= target
 
 
 def forecast_mape(forecast: np.ndarray, ttft: np.ndarray) -> float | None:

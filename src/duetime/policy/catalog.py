@@ -7,6 +7,7 @@ from duetime.policy.latency import LatencyAgnostic, Lps, Sfs, SoftSfs, Throughpu
 from duetime.policy.lora import LoraAffinity
 from duetime.policy.registry import register
 from duetime.policy.retry import ExpectedTtca, Laar, SessionAffinity
+from duetime.policy.slo_headroom import SloHeadroom
 
 register(RoundRobin)
 register(ShortestQueue)
@@ -23,3 +24,4 @@ register(PrefixLoad)
 register(CacheAware)
 register(LoraAffinity)
 register(DeadlineSfs)
+register(SloHeadroom)

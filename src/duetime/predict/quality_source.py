@@ -83,6 +83,12 @@ class QualitySource(ABC):
         source does not predict lengths."""
         return None
 
+    def output_length_spread(self, request: RequestLike, models: Sequence[str]
+                             ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Per model, the predicted median output tokens and their 90th percentile (each
+        None where this source does not predict it): a completion deadline reads both."""
+        return self.output_lengths(request, models), None
+
     def quality_table(self, requests: QueryTable, models: Sequence[str], *,
                       success: bool = False) -> np.ndarray:
         """float64[len(requests), len(models)]: :meth:`qualities` (or, with ``success``,
@@ -278,3 +284,8 @@ class Trained(QualitySource):
 
     def output_lengths(self, request: RequestLike, models: Sequence[str]) -> np.ndarray | None:
         return self.predict(request, models).length_median
+
+    def output_length_spread(self, request: RequestLike, models: Sequence[str]
+                             ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        pred = self.predict(request, models)  # (one prediction gives both heads)
+        return pred.length_median, pred.length_p90

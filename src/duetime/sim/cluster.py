@@ -139,7 +139,8 @@ BATCH_AT = 16
 def _closed_loop_times(requests: RequestSet) -> RequestSet:
     return RequestSet(np.zeros(len(requests)), requests.task, requests.prompt, requests.output,
                       requests.quality, requests.target, requests.tasks, requests.models,
-                      requests.segments, requests.session, requests.answer_segment)
+                      requests.segments, requests.session, requests.answer_segment,
+                      requests.adapter, requests.deadline, requests.tpot)
 
 
 class ClusterSim:
@@ -152,6 +153,7 @@ class ClusterSim:
                  charge_overhead: bool = False,
                  shadow_estimators: tuple[Estimator, ...] = (),
                  length_model: LengthModel | None = None,
+                 length_p90_model: LengthModel | None = None,
                  prefix_caching: bool | None = None, cache_view: str = "precise",
                  step_scale: float = 1.0,
                  instance_specs: Mapping[str, InstanceSpec] | None = None,
@@ -166,6 +168,10 @@ class ClusterSim:
         :class:`~duetime.predict.QualitySource` (asked with each request's task and id).
         ``length_model``: predicted output lengths, (requests, rng) -> (n, models) array; by
         default the truth x U(1 - length_error, 1 + length_error).
+        ``length_p90_model``: the predicted 90th percentiles of those lengths, the same way
+        (given to the router as ``RoutingRequest.output_p90``; None: no spread is predicted).
+        A request set with ``deadline`` / ``tpot`` columns gives each request's to the router
+        (``RoutingRequest.deadline``, ``tpot_target``).
         ``prefix_caching``: True / False turns the engines' automatic prefix caching on / off
         on every instance; ``None`` keeps what each model's config says.
         ``cache_view``: what the router knows of a caching instance's cache, ``precise`` (the
@@ -206,6 +212,7 @@ class ClusterSim:
         self.charge_overhead = charge_overhead
         self.shadow_estimators = shadow_estimators
         self.length_model = length_model
+        self.length_p90_model = length_p90_model
         self.prefix_caching = prefix_caching
         self.cache_view = cache_view
         self.step_scale = float(step_scale)
@@ -264,6 +271,13 @@ class ClusterSim:
                 raise ValueError(f"length_model returned shape {pred_out.shape}, expected "
                                  f"{requests.output.shape}")
         pred_out = np.maximum(1, np.rint(pred_out)).astype(np.int64)
+        pred_p90 = None
+        if self.length_p90_model is not None:
+            pred_p90 = np.asarray(self.length_p90_model(requests, rng), dtype=float)
+            if pred_p90.shape != requests.output.shape:
+                raise ValueError(f"length_p90_model returned shape {pred_p90.shape}, expected "
+                                 f"{requests.output.shape}")
+        deadlines, tpots = requests.deadline, requests.tpot
         needs = self.policy.consumes
         pred_q = pred_s = None
         if needs & {QUALITY, SUCCESS}:
@@ -328,7 +342,12 @@ class ClusterSim:
                                  success=None if pred_s is None else pred_s[i, cand_model],
                                  prompt_hashes=keys_by_block_size(requests.segments[i]) if shared
                                  else None,
-                                 lora=0 if adapters is None else int(adapters[i]))
+                                 lora=0 if adapters is None else int(adapters[i]),
+                                 deadline=math.inf if deadlines is None
+                                 else float(deadlines[i]),  # (routed as it arrives)
+                                 tpot_target=math.inf if tpots is None else float(tpots[i]),
+                                 output_p90=None if pred_p90 is None
+                                 else pred_p90[i, cand_model])
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0

@@ -39,6 +39,11 @@ class RequestSet:
     # (n,) int64: the LoRA adapter each request names (vLLM's lora_int_id, the same on every
     # instance; 0: the base model), or None: all on the base model
     adapter: np.ndarray | None = None
+    # (n,) float: seconds after its arrival by which each request must have finished (its
+    # end-to-end deadline; inf: none), and its time-per-output-token target (s; inf: none);
+    # None: no request has one
+    deadline: np.ndarray | None = None
+    tpot: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -50,7 +55,7 @@ class RequestSet:
         return RequestSet(self.arrival[:n], self.task[:n], self.prompt[:n], self.output[:n],
                           self.quality[:n], self.target[:n], self.tasks, self.models,
                           cut(self.segments), cut(self.session), cut(self.answer_segment),
-                          cut(self.adapter))
+                          cut(self.adapter), cut(self.deadline), cut(self.tpot))
 
 
 def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,

@@ -1,5 +1,6 @@
 """What the request's policy consumes about the request itself, predicted per model: quality,
-success probability and (median) output length, asked of the pool's quality source (its
+success probability and output length (median and, where predicted, p90), asked of the pool's
+quality source (its
 per-task table, or its trained predictor with the table as fallback) only when consumed, and
 ``None`` otherwise (:mod:`duetime.policy.registry`)."""
 
@@ -29,12 +30,12 @@ class Predictions:
             self.source = Trained(pool.predictor, fallback=table)
 
     def predict(self, req: CompletionRequest, task: str,
-                needs: frozenset[str]) -> tuple[PerModel, PerModel, PerModel]:
+                needs: frozenset[str]) -> tuple[PerModel, PerModel, PerModel, PerModel]:
         """Per model, what ``needs`` (a policy's inputs) asks for: quality, success
-        probability, output length; None where not consumed (or, for lengths, not
-        predicted)."""
+        probability, output length (median) and its 90th percentile; None where not
+        consumed (or, for lengths, not predicted)."""
         if not needs & {QUALITY, SUCCESS, OUTPUT_LENGTH}:
-            return None, None, None
+            return None, None, None, None
         models = self.pool.models
         text = "\n".join(prompt_texts(req)) if self.pool.predictor is not None else ""
         query = Query(text, None if task == MEAN_TASK else task, tokens=req.prompt_tokens)
@@ -43,7 +44,9 @@ class Predictions:
             return None if values is None else dict(zip(models, values.tolist(), strict=True))
 
         src = self.source
+        median = p90 = None
+        if OUTPUT_LENGTH in needs:
+            median, p90 = src.output_length_spread(query, models)
         return (per_model(src.qualities(query, models)) if QUALITY in needs else None,
                 per_model(src.successes(query, models)) if SUCCESS in needs else None,
-                per_model(src.output_lengths(query, models)) if OUTPUT_LENGTH in needs
-                else None)
+                per_model(median), per_model(p90))

@@ -87,6 +87,7 @@ class RequestContext:
     keys: KeysByBlockSize       # the prompt's block keys per block size (computed when asked)
     lora: int = 0               # the LoRA adapter its model names (the pool's id; 0: none)
     adapter: str | None = None  # that adapter's name (what upstream is asked for)
+    length_p90: PerModel = None  # per model, the output length's p90, where predicted
 
     @property
     def chat(self) -> bool:
@@ -195,7 +196,8 @@ class Intake:
         each serves it) and its prompt's block keys."""
         default = self.pool.default_output_tokens
         predicted = min(req.max_tokens, default) if req.max_tokens else default
-        quality, success, lengths = self.predictions.predict(req, ctl.task, policy.consumes)
+        quality, success, lengths, p90 = self.predictions.predict(req, ctl.task,
+                                                                  policy.consumes)
         lora = self.adapter_ids[adapter] if adapter is not None else 0
         if adapter is not None:
             q = self._adapter_quality(adapter, ctl.task)
@@ -210,7 +212,7 @@ class Intake:
         return RequestContext(
             f"dt-{self._prefix}-{next(self._ids):x}", req, ctl, arrival, key, grant, policy,
             cands, predicted, predicted if req.max_tokens else 1 << 30, quality, success,
-            lengths, keys, lora, adapter)
+            lengths, keys, lora, adapter, p90)
 
     def count_tokens(self, req: CompletionRequest, *, release: bool = False) -> int:
         """Prompt tokens: with the pool's tokenizer, the token ids vLLM will see (kept in

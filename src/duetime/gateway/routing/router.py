@@ -123,7 +123,10 @@ class Router:
             ctx.keys, lora=ctx.lora,
             deadline=(math.inf if ctl.deadline_s is None
                       else ctl.deadline_s - (now - ctx.arrival)),
-            tpot_target=math.inf if ctl.tpot_target_s is None else ctl.tpot_target_s)
+            tpot_target=math.inf if ctl.tpot_target_s is None else ctl.tpot_target_s,
+            output_p90=None if ctx.length_p90 is None or lengths is None else
+            np.array([max(1.0, min(ctx.cap, ctx.length_p90.get(c.model, predicted)))
+                      for c in cands]))
 
     def choose(self, ctx: RequestContext, cands: list[InstanceState], *,
                explain: bool = False) -> Choice:
