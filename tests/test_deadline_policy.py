@@ -78,3 +78,28 @@ def test_it_sends_a_request_where_it_finishes_by_its_deadline() -> None:
     described = policy.describe(request(1.0), cands, 0.0, 1)
     assert described.columns["feasible"] == [False, True]
     assert described.columns["forecast_finish_s"] == pytest.approx(end)
+
+
+def test_a_steady_decode_does_not_speed_up_as_the_batch_drains() -> None:
+    """30 requests 3 tokens from their ends: the replay's probe decodes beside them for 3
+    steps, then alone. ``steady`` (the default) holds the time per token at least at the
+    next STEADY_TOKENS tokens' (arrivals refill a batch that drains); ``steady`` 0 keeps the
+    replay's."""
+    from duetime.policy.deadline import STEADY_TOKENS
+
+    snap = Snapshot(CFG, MODEL, time=0.0, running=[
+        ResidentRequest(f"r{i}", 100, 104, 5, 8) for i in range(30)])
+    cand = Candidate("i0", "m0", 0.0, 0.0, View(snap))
+    est = SfsEstimator()
+    k = STEADY_TOKENS + 1
+    first, near, end = est.finishes(cand.view, 100, [1, k, 200], 0.0)
+    near_tpot = (near - first) / (k - 1)
+    assert near_tpot > (end - first) / 199  # (the premise: the batch drains)
+    req = request(math.inf)
+    _, steady_end, tpot = make_policy("sfs-deadline")._forecast(req, cand, 200, 0.0)
+    assert tpot == pytest.approx(near_tpot) and steady_end == pytest.approx(
+        first + 199 * near_tpot)
+    _, drain_end, _ = make_policy("sfs-deadline", {"steady": 0})._forecast(req, cand, 200, 0.0)
+    assert drain_end == pytest.approx(end) and drain_end < steady_end
+    with pytest.raises(PolicyError, match=r"policy\.steady"):
+        make_policy("sfs-deadline", {"steady": 2})
