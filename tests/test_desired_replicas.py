@@ -148,3 +148,20 @@ def test_cli_lists_the_autoscalers_and_their_parameters(capsys):
                         "duetime"}
     assert {p["name"] for p in got["queue-threshold"]["params"]} == {
         "threshold", "scale_down_stabilization_s"}
+
+
+def test_a_forecast_ratio_needs_a_positive_target() -> None:
+    """Requests recorded with no target left (they waited it out in the admission queue, as
+    the gateway recorded them before their whole target was kept) give no ratio rather than
+    dividing by zero; the ratio is the median prompt's forecast over the median target."""
+    import numpy as np
+
+    from duetime.autoscale.status import Recent
+
+    def recent(target: list[float]) -> Recent:
+        n = len(target)
+        return Recent(np.zeros(n), np.full(n, np.nan), np.full(n, np.nan), np.array(target),
+                      np.zeros(n), np.full(n, 100.0))
+
+    assert recent([0.0, 0.0, 0.0]).forecast_ratio(lambda p: 0.2) is None
+    assert recent([0.5, 0.5, 1.0]).forecast_ratio(lambda p: 0.2 if p == 100 else 9) == 0.4

@@ -193,6 +193,28 @@ def test_priorities_when_no_instance_can_meet_the_target() -> None:
                                f'priority="{priority}"}}') == n, (priority, outcome)
 
 
+def test_a_critical_request_that_waits_out_its_target_may_be_rejected() -> None:
+    """``admission.expired: reject``: a critical request no instance could serve before its
+    target was spent in the queue is refused (429, ``overloaded``), not sent late; it is
+    counted ``rejected``."""
+    async def go():
+        async with gateway(config(admission={"expired": "reject"})) as (_svc, c):
+            late = await c.post("/v1/chat/completions", json=chat(), headers={
+                "x-duetime-priority": "critical", "x-duetime-ttft-ms": "0.001"})
+            easy = await c.post("/v1/chat/completions", json=chat(), headers={
+                "x-duetime-priority": "critical", "x-duetime-ttft-ms": "60000"})
+            return late, easy, (await c.get("/metrics")).text
+
+    late, easy, metrics = run(go())
+    assert late.status_code == 429 and late.json()["error"]["code"] == "overloaded"
+    assert "critical request" in late.json()["error"]["message"]
+    assert int(late.headers["retry-after"]) >= 1
+    assert easy.status_code == 200
+    assert metric(metrics, 'duetime_admission_total{outcome="rejected",'
+                           'priority="critical"}') == 1
+    assert metric(metrics, 'duetime_admission_total{outcome="late",priority="critical"}') == 0
+
+
 def test_llm_d_slo_headers_are_targets() -> None:
     """x-slo-ttft-ms sets the TTFT target when x-duetime-ttft-ms is absent (and loses to it);
     x-slo-tpot-ms is counted against each request's time per output token."""

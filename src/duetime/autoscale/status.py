@@ -36,10 +36,11 @@ class Recent:
         least over the model's serving replicas) of the median prompt, over the median
         target; None without requests. Above 1, the next such request is late wherever it
         goes (:attr:`PoolStatus.forecast_ratio`)."""
-        if not self.target.size:
+        target = float(np.median(self.target)) if self.target.size else 0.0
+        if not target > 0:
             return None
         prompt = max(1, int(np.median(self.prompt))) if self.prompt.size else 1
-        return ttft(prompt) / float(np.median(self.target))
+        return ttft(prompt) / target
 
     def tpot_since(self, t: float) -> np.ndarray:
         """Time per output token (after the first) of the requests that finished after ``t``

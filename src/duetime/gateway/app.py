@@ -80,7 +80,8 @@ class Gateway:
                          limiter=Limiter(self.shared.limits))
         self.policies = PolicyBook(pool, bindings=self.shared.bindings)
         self.load = GatewayLoad(pool.admission.cpu_window_s)
-        self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics)
+        self.queue = AdmissionQueue(pool.admission.max_queued, self.metrics,
+                                    pool.admission.fairness_half_life_s)
         self.budget = EjectionBudget(0, pool.health.max_ejected_fraction)
         first = members_of(pool, {})  # (groups join once discovered: at start)
         self.membership = Membership([self._instance(i) for i in first], self.metrics)
@@ -93,8 +94,9 @@ class Gateway:
         self.lifecycle = Lifecycle(self._subscribers())
         self.membership.listeners += [self._on_change, self.observatory.on_membership]
         self.intake = Intake(pool, self.membership, self.auth, self.policies)
-        self.router = Router(pool, self.lifecycle, Admission(self.queue, self.metrics),
-                             self.metrics, self.observatory.wants_explanation)
+        admission = Admission(self.queue, self.metrics, pool.admission.expired)
+        self.router = Router(pool, self.lifecycle, admission, self.metrics,
+                             self.observatory.wants_explanation)
         self.upstream: Upstream | None = None
         self.relay = Relay(pool, self.router, AttemptRunner(pool, self._http, self.lifecycle),
                            self.metrics)

@@ -262,6 +262,13 @@ class AdmissionSpec(_Strict):
     priority (:mod:`duetime.gateway.intake.admission`)."""
 
     max_queued: int = Field(256, ge=0, le=100_000)  # critical requests waiting in the gateway
+    # the queue lets the key served the fewest tokens recently go first; "recently": its
+    # count of tokens halves every this many seconds (policy/admission_order.py)
+    fairness_half_life_s: float = Field(60.0, gt=0, le=86_400)
+    # a critical request that found no instance able to meet its target before the target was
+    # spent (or found the queue full): ``late``, sent to the best forecast anyway; ``reject``,
+    # refused (429), so that a saturated pool's instances queue only what can still be served
+    expired: Literal["late", "reject"] = "late"
     # the gateway's own loop under every forecast: the intakes it holds and the first tokens
     # it has to relay ahead of a request, at their measured costs (gateway/state/load.py)
     gateway_load: bool = True

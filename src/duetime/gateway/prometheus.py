@@ -7,7 +7,11 @@ admission queue and rule; the shared store its backend; the dashboard its feed."
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.5,
                 5.0, 10.0, 30.0, 60.0)
@@ -15,6 +19,33 @@ RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0
 ERROR_BUCKETS = (-1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0, 0.01, 0.025, 0.05, 0.1,
                  0.25, 0.5, 1.0)
 OVERHEAD_BUCKETS = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0)
+
+
+class AttainedService(Collector):
+    """``duetime_attained_service_tokens{key}``: each key's attained service as of the scrape
+    (it decays between the admission queue's updates, so it is read, not set); ``read`` is
+    the admission queue's (none: no series)."""
+
+    NAME = "duetime_attained_service_tokens"
+    HELP = ("Tokens served to the key recently (prompt + output, exponentially decayed with "
+            "admission.fairness_half_life_s): what orders the admission queue across keys "
+            "(key empty: clients without an API key).")
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Mapping[str, float]] = dict
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.NAME, self.HELP, labels=["key"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(self.NAME, self.HELP, labels=["key"])
+        for key, tokens in sorted(self.read().items()):
+            g.add_metric([key], tokens)
+        yield g
 
 
 class GatewayMetrics:
@@ -109,6 +140,12 @@ class GatewayMetrics:
         self.queued = Gauge("duetime_admission_queued",
                             "Critical requests waiting in the gateway for an instance that can "
                             "meet their target.", registry=r)
+        self.admission_wait = Histogram(
+            "duetime_admission_wait_seconds", "Time critical requests waited in the gateway's "
+            "admission queue (released, timed out or displaced), by API key name (empty: "
+            "clients without one).", ["key"], buckets=WAIT_BUCKETS, registry=r)
+        self.attained = AttainedService()
+        r.register(self.attained)
         self.admission = Counter(
             "duetime_admission", "Requests by priority and admission outcome: on_time (a "
             "forecast met the target), queued (waited in the gateway), shed (429), late (sent "

@@ -319,7 +319,7 @@ class Exchange:
                                   else None)
         self.attempt = lifecycle.dispatch(Attempt(
             flight, other, a.number + 1, a.arrival, a.target_s, "(data plane)", other.source(),
-            a.tpot_target_s, key=a.key))
+            a.tpot_target_s, key=a.key, client=a.client))
         self.endpoint = served
 
     def _response_body(self, b: pb.HttpBody) -> list[pb.ProcessingResponse]:

@@ -191,9 +191,9 @@ class Router:
                                  else None, ctx.lora)
         ctl = ctx.controls
         return self.lifecycle.dispatch(Attempt(
-            flight, inst, number, ctx.arrival, choice.target_s, ctx.policy.name,
+            flight, inst, number, ctx.arrival, ctl.target_s, ctx.policy.name,
             inst.source(reads_load(ctx.policy)), ctl.tpot_target_s, choice.failing_open,
-            choice.explanation, ctx.key))
+            choice.explanation, ctx.key, ctl.client))
 
     # -- the dry run ------------------------------------------------------------------------------
 

@@ -59,6 +59,7 @@ class Attempt:
     failing_open: bool = False  # sent to an instance out of rotation (none was in it)
     explanation: dict[str, Any] | None = None
     key: ApiKey | None = None  # the client's API key, where keys are checked
+    client: str = ""           # the client as admission knows it (its key, else its address)
     # set by the lifecycle at the end
     outcome: Outcome | None = None
     ended: float | None = None
