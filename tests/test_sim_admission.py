@@ -60,3 +60,53 @@ def test_a_full_queue_turns_away_or_displaces_a_more_served_keys_waiter() -> Non
     assert [(w.i, w.how) for w in q.waits] == [(1, "displaced"), (3, "released"),
                                                (0, "released")]
     assert not SimAdmission(max_queued=0).offer(0, "a", "critical", 1.0, 2.0, now=0.0)
+
+
+def _stream(rate: float, n: int, seed: int = 0):
+    from dataclasses import replace
+
+    import numpy as np
+
+    from duetime.workload import load_workload, sample_requests
+
+    prof = load_workload("demo")
+    rng = np.random.default_rng(seed)
+    reqs = sample_requests(prof, np.cumsum(rng.exponential(1 / rate, n)), rng)
+    # tenant 1 sends one request in eleven (a light key), tenant 0 the rest
+    return prof, replace(reqs, tenant=(rng.random(n) < 1 / 11).astype(np.int64))
+
+
+def test_the_cluster_simulator_routes_through_the_queue() -> None:
+    """``ClusterSim(admission=...)``: unloaded, nothing queues and every request is served as
+    without the queue (the step-by-step loop takes the same steps); saturated, requests whose
+    forecast misses wait (never past their target), every one is served, and the light tenant
+    waits less than the heavy one (least attained service first)."""
+    import numpy as np
+    import pytest
+
+    from duetime.metrics import summarize
+    from duetime.policy import make_policy
+    from duetime.sim import ClusterSim
+
+    def run(prof, reqs, adm):
+        return ClusterSim(prof, make_policy("sfs", defaults={"lambda": prof.lam}),
+                          admission=adm).run(reqs)
+
+    from dataclasses import replace
+
+    prof, calm = _stream(4.0, 300)
+    calm = replace(calm, target=np.full(len(calm), 10.0))  # (a target every forecast meets)
+    plain, queued = run(prof, calm, None), run(prof, calm, SimAdmission(256))
+    assert summarize(queued)["queued"] == 0
+    assert np.array_equal(plain.first_token, queued.first_token)
+    assert np.array_equal(plain.finish, queued.finish)
+
+    prof, busy = _stream(20.0, 1200)
+    res = run(prof, busy, SimAdmission(256))
+    assert summarize(res)["queued"] > 0.1 and np.isfinite(res.finish).all()
+    assert (res.queue_s <= busy.target + 1e-9).all()
+    light, heavy = busy.tenant == 1, busy.tenant == 0
+    assert np.percentile(res.queue_s[light], 90) < np.percentile(res.queue_s[heavy], 90)
+    with pytest.raises(ValueError, match="admission: open loop only"):
+        ClusterSim(prof, make_policy("sfs"), admission=SimAdmission(4)).run(busy,
+                                                                              closed_loop=2)

@@ -10,6 +10,8 @@
   deadline are on deadline); with TPOT targets (``tpot``): a request's TPOT = (finish - first
   token) / (output tokens - 1), attained when <= its target, over the requests with a target
   and more than one output token;
+* with the admission queue (``ClusterSim(admission=...)``): the share of requests that waited
+  in it and the p90 of the time waited (0 for those that did not);
 * cache hit rate (with prefix caching) = prompt tokens found cached / prompt tokens looked up,
   over every instance of the pool (vLLM's prefix_cache_hits / prefix_cache_queries).
 """
@@ -51,6 +53,9 @@ def summarize(res: SimResult) -> dict[str, Any]:
     if res.requests.tpot is not None:
         has, met = tpot_met(res)
         out["tpot_attainment"] = float(np.mean(met[has])) if has.any() else 1.0
+    if res.queue_s is not None:
+        out["queued"] = float(np.mean(res.queue_s > 0))
+        out["p90_queue_s"] = float(np.percentile(res.queue_s, 90))
     hit = res.cache_hit_rate
     if hit is not None:
         out["cache_hit_rate"] = hit

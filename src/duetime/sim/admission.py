@@ -3,7 +3,8 @@
 least attained service, then the earliest deadline) over simulated time, so that an experiment
 measures the queue the gateway runs.
 
-The simulator drives it as the gateway's lifecycle does: a request whose best forecast misses
+:class:`~duetime.sim.cluster.ClusterSim` (``admission=``) drives it as the gateway's lifecycle
+does: a request whose best forecast misses
 its target is :meth:`SimAdmission.offer`-ed (False: the queue is full and it displaces nobody,
 so it goes to the best forecast at once); each first token and each request's end releases one
 waiter (:meth:`SimAdmission.release`), which is decided again; tokens served feed the keys'

@@ -36,6 +36,7 @@ from duetime.policy.base import Candidate, Candidates, Policy, RoutingRequest
 from duetime.policy.registry import INSTANCE_INPUTS, QUALITY, SUCCESS
 from duetime.policy.tiers import warm_up_tiers
 from duetime.predict.quality_source import Oracle, QualitySource, QueryTable, TaskTable
+from duetime.sim.admission import SimAdmission
 from duetime.sim.cache_view import check_cache_view, engine_hashes, keys_by_block_size
 from duetime.sim.fleet import RouterFleet
 from duetime.sim.instance import SimClock, SimInstance
@@ -70,6 +71,7 @@ class SimResult:
     prefix_queries: np.ndarray | None = None
     prefix_hits: np.ndarray | None = None
     scaling: ScalingRecord | None = None  # a scaling pool's replicas and changes
+    queue_s: np.ndarray | None = None  # time each request waited in the admission queue
 
     @property
     def model(self) -> np.ndarray:
@@ -140,7 +142,7 @@ def _closed_loop_times(requests: RequestSet) -> RequestSet:
     return RequestSet(np.zeros(len(requests)), requests.task, requests.prompt, requests.output,
                       requests.quality, requests.target, requests.tasks, requests.models,
                       requests.segments, requests.session, requests.answer_segment,
-                      requests.adapter, requests.deadline, requests.tpot)
+                      requests.adapter, requests.deadline, requests.tpot, requests.tenant)
 
 
 class ClusterSim:
@@ -157,7 +159,8 @@ class ClusterSim:
                  prefix_caching: bool | None = None, cache_view: str = "precise",
                  step_scale: float = 1.0,
                  instance_specs: Mapping[str, InstanceSpec] | None = None,
-                 scaling: Scaling | None = None) -> None:
+                 scaling: Scaling | None = None,
+                 admission: SimAdmission | None = None) -> None:
         """``instances``: (instance name, model name) pairs; default the profile's
         (:meth:`~duetime.workload.profile.WorkloadProfile.instance_pairs`: one per model, or
         its ``replicas``; several pairs may name one model).
@@ -183,13 +186,22 @@ class ClusterSim:
         the true step times), which may learn the pace (``FleetSpec.step_correction``).
         ``scaling``: the pool changes as an autoscaler decides (:mod:`duetime.sim.scaling`;
         ``instances`` is the pool at the start; a new replica of a model runs the spec of the
-        model's first instance); open loop, one router."""
+        model's first instance); open loop, one router.
+        ``admission``: the gateway's admission queue (:class:`~duetime.sim.admission.
+        SimAdmission`, the gateway's order): a request whose best forecast misses its TTFT
+        target waits there (as a ``critical`` one does in the gateway), released one at a
+        time by each first token and each request's end and decided again, or sent to the
+        best forecast when its target is spent (or the queue turns it away); the requests'
+        ``tenant`` column names their keys. Open loop, one router, no scaling; the instances
+        are stepped one step at a time (:func:`~duetime.sim.loop.run_clients`)."""
         if not math.isfinite(step_scale) or step_scale <= 0:
             raise ValueError(f"step_scale must be a positive number, got {step_scale!r}")
         if step_scale != 1.0 and not isinstance(policy, RouterFleet):
             raise ValueError("step_scale needs routers with views of their own (a RouterFleet"
                              ", --routers N): a router reading the true state reads the true "
                              "step times")
+        if admission is not None and (scaling is not None or isinstance(policy, RouterFleet)):
+            raise ValueError("admission: one router over a fixed pool")
         if scaling is not None and isinstance(policy, RouterFleet):
             raise ValueError("scaling: one router (a RouterFleet's views are fixed at the start)")
         if not isinstance(quality, QualitySource) and quality not in ("table", "oracle"):
@@ -218,6 +230,7 @@ class ClusterSim:
         self.step_scale = float(step_scale)
         self.instance_specs = dict(instance_specs or {})
         self.scaling = scaling
+        self.admission = admission
         unknown = set(self.instance_specs) - {name for name, _ in pairs}
         if unknown:
             raise ValueError(f"instance_specs: no such instance(s) {sorted(unknown)}")
@@ -240,6 +253,8 @@ class ClusterSim:
         requests' own arrival times are then ignored and replaced)."""
         if self.scaling is not None and closed_loop is not None:
             raise ValueError("scaling: open loop only")
+        if self.admission is not None and closed_loop is not None:
+            raise ValueError("admission: open loop only")
         warm_up()  # (the compiled paths loaded before the clock starts)
         warm_up_tiers()
         batching = len(self.pairs) >= BATCH_AT and self.scaling is None
@@ -326,31 +341,42 @@ class ClusterSim:
         # a policy that reads no instance's state sees none: the instances are then stepped
         # only when given a request (the same steps, noise included: each engine draws its
         # own), at a fraction of the calls in a big pool
-        lazy = closed_loop is None and not self.policy.consumes & INSTANCE_INPUTS
+        lazy = (closed_loop is None and self.admission is None
+                and not self.policy.consumes & INSTANCE_INPUTS)
 
-        def dispatch(i: int, t: float) -> None:
-            """Route request ``i`` arriving at ``t`` (every instance is at or past ``t``, or
-            ``lazy``: the chosen one is stepped to it after the decision)."""
+        timers: list[float] = []  # (the admission queue's give-up times to wake at)
+
+        def dispatch(i: int, t: float, may_queue: bool = False) -> bool:
+            """Route request ``i`` at ``t`` (every instance is at or past ``t``, or ``lazy``:
+            the chosen one is stepped to it after the decision); with ``may_queue``, a
+            decision whose forecast misses what is left of the target is offered to the
+            admission queue instead (False: it waits there)."""
             clock.now = t
             session = None
             if sessions is not None and sessions[i] >= 0:
                 session = str(int(sessions[i]))
+            # (a request released from the admission queue is routed after its arrival; in a
+            # closed loop a request arrives as it is sent)
+            since = 0.0 if closed_loop is not None else t - float(requests.arrival[i])
             req = RoutingRequest(str(i), int(requests.prompt[i]),
                                  None if pred_q is None else pred_q[i, cand_model],
-                                 pred_out[i, cand_model], float(requests.target[i]),
+                                 pred_out[i, cand_model], float(requests.target[i]) - since,
                                  requests.tasks[requests.task[i]], session=session,
                                  success=None if pred_s is None else pred_s[i, cand_model],
                                  prompt_hashes=keys_by_block_size(requests.segments[i]) if shared
                                  else None,
                                  lora=0 if adapters is None else int(adapters[i]),
                                  deadline=math.inf if deadlines is None
-                                 else float(deadlines[i]),  # (routed as it arrives)
+                                 else float(deadlines[i]) - since,
                                  tpot_target=math.inf if tpots is None else float(tpots[i]),
                                  output_p90=None if pred_p90 is None
                                  else pred_p90[i, cand_model])
             t0 = wallclock.perf_counter()
             d = self.policy.choose(req, cands, t)
             overhead[i] = wallclock.perf_counter() - t0
+            if (may_queue and d.forecast is not None and d.forecast > req.ttft_target
+                    and self._queue(i, t, req, requests, timers)):
+                return False
             k = d.index if cand_index is None else cand_index[d.index]
             inst = insts[k]
             if lazy and inst.busy_until() < t:
@@ -373,8 +399,16 @@ class ClusterSim:
                                  int(requests.prompt[i]))
             if d.forecast is not None:
                 forecast[i] = d.forecast
+            return True
 
-        if closed_loop is None:
+        queue_s = None
+        if self.admission is not None:
+            seen = len(self.admission.waits)
+            self._admitted(requests, insts, dispatch, chosen, inst_model, timers)
+            queue_s = np.zeros(n)
+            for w in self.admission.waits[seen:]:
+                queue_s[w.i] += w.seconds
+        elif closed_loop is None:
             # Only engines with a step to start before the arrival are stepped to it: a busy
             # engine whose clock is already past it has nothing to do, and an idle one's clock
             # is brought to the arrival when it is read or given a request (SimInstance.sync).
@@ -434,7 +468,63 @@ class ClusterSim:
             scaled = scaler.record(fin, chosen, float(np.nanmax(fin)) if n else 0.0)
         return SimResult(requests, [inst.name for inst in insts], inst_model, chosen, first,
                          fin, forecast, shadow, overhead, prof.lam, prices,
-                         wallclock.perf_counter() - t_wall, queries, hits, scaled)
+                         wallclock.perf_counter() - t_wall, queries, hits, scaled, queue_s)
+
+    def _key(self, requests: RequestSet, i: int) -> str:
+        """Request ``i``'s tenant as the admission queue keys it."""
+        return "" if requests.tenant is None else str(int(requests.tenant[i]))
+
+    def _queue(self, i: int, t: float, req: RoutingRequest, requests: RequestSet,
+               timers: list[float]) -> bool:
+        """Offer request ``i`` to the admission queue at ``t`` (True: it waits; its give-up
+        time joins ``timers``), ordered by its end-to-end deadline where it has one, else its
+        TTFT target's expiry; its wait lasts what is left of its target."""
+        assert self.admission is not None
+        give_up = t + max(0.0, req.ttft_target)
+        deadline = t + req.deadline if math.isfinite(req.deadline) else give_up
+        if not self.admission.offer(i, self._key(requests, i), "critical", deadline, give_up, t):
+            return False
+        timers.append(give_up)
+        return True
+
+    def _admitted(self, requests: RequestSet, insts: list[SimInstance],
+                  dispatch: Callable[..., bool], chosen: np.ndarray, inst_model: list[int],
+                  timers: list[float]) -> None:
+        """Open-loop arrivals through the admission queue, step by step
+        (:func:`~duetime.sim.loop.run_clients`): an arrival is decided and sent or queued; a
+        first token charges its prompt to its tenant and releases a waiter, an end its
+        output; a released waiter is decided again and sent; a waiter whose wait ended
+        unreleased is sent to the best forecast."""
+        adm = self.admission
+        assert adm is not None
+        prompt = requests.prompt
+
+        def send(t: float, item: tuple[str, int]) -> list[tuple[float, tuple[str, int]]]:
+            kind, i = item
+            if kind == "arrive":
+                dispatch(i, t, may_queue=True)
+            elif kind == "release":
+                dispatch(i, t)
+            for j in adm.expired(t):  # (displaced just now, or out of time)
+                dispatch(j, t)
+            due = [(at, ("tick", -1)) for at in timers]
+            timers.clear()
+            return due
+
+        def charge(rid: str, t: float, tokens: int) -> list[tuple[str, int]]:
+            i = int(rid)
+            adm.served(self._key(requests, i), tokens, t)
+            return [("release", j) for j in adm.release(t, 1)]
+
+        def first_token(rid: str, t: float) -> list[tuple[str, int]]:
+            return charge(rid, t, int(prompt[int(rid)]))
+
+        def finished(rid: str, t: float) -> list[tuple[str, int]]:
+            i = int(rid)
+            return charge(rid, t, int(requests.output[i, inst_model[int(chosen[i])]]))
+
+        run_clients(insts, [(float(a), ("arrive", i)) for i, a in enumerate(requests.arrival)],
+                    send, finished, first_token)
 
     def quality_source(self, requests: RequestSet) -> QualitySource:
         """What the router predicts quality (and success) with for ``requests``."""

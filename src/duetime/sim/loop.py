@@ -20,13 +20,16 @@ from duetime.sim.instance import SimInstance
 
 
 def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]],
-                dispatch: Callable[[float, Any], None],
-                finished: Callable[[str, float], Iterable[Any]]) -> None:
+                dispatch: Callable[[float, Any], Iterable[tuple[float, Any]] | None],
+                finished: Callable[[str, float], Iterable[Any]],
+                first_token: Callable[[str, float], Iterable[Any]] | None = None) -> None:
     """Run until no send is pending and every instance is idle.
 
     ``sends``: the first sends, (time, item). ``dispatch(t, item)`` routes and queues one
-    request at ``t`` (every instance's ``now`` is ``t``). ``finished(request_id, t)`` is called
-    for each request that ends at ``t`` and yields the items its client sends at ``t``."""
+    request at ``t`` (every instance's ``now`` is ``t``); it may return more sends, (time,
+    item), at ``t`` or later (a timer). ``finished(request_id, t)`` is called for each request
+    that ends at ``t`` and yields the items its client sends at ``t``; ``first_token``, where
+    given, likewise for each first token (of an instance without a frontend)."""
     heap = [(t, k, item) for k, (t, item) in enumerate(sends)]
     heapq.heapify(heap)
     seq = len(heap)
@@ -41,7 +44,9 @@ def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]]
                 if inst.engine.idle:
                     inst.engine.advance_clock(t)
                 inst.now = t
-            dispatch(t, item)
+            for at, more in dispatch(t, item) or ():
+                heapq.heappush(heap, (at, seq, more))
+                seq += 1
             continue
         nxt = min(busy, key=lambda i: i.busy_until())
         if nxt.fronted is not None:
@@ -50,6 +55,11 @@ def run_clients(insts: Sequence[SimInstance], sends: Iterable[tuple[float, Any]]
             step = nxt.engine.step()
             # (asynchronous scheduling: the outputs are the previous step's, made at its start)
             ended = [(rid, step.outputs_at) for rid in step.finished_ids] if step else []
+            if step and first_token is not None:
+                for rid in step.first_token_ids:
+                    for item in first_token(rid, step.outputs_at):
+                        heapq.heappush(heap, (step.outputs_at, seq, item))
+                        seq += 1
         for rid, at in ended:
             for item in finished(rid, at):
                 heapq.heappush(heap, (at, seq, item))

@@ -44,6 +44,9 @@ class RequestSet:
     # None: no request has one
     deadline: np.ndarray | None = None
     tpot: np.ndarray | None = None
+    # (n,) int64: the tenant (client key) each request comes from, where tenants matter (the
+    # simulator's admission queue is fair across them); None: one tenant
+    tenant: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -55,7 +58,8 @@ class RequestSet:
         return RequestSet(self.arrival[:n], self.task[:n], self.prompt[:n], self.output[:n],
                           self.quality[:n], self.target[:n], self.tasks, self.models,
                           cut(self.segments), cut(self.session), cut(self.answer_segment),
-                          cut(self.adapter), cut(self.deadline), cut(self.tpot))
+                          cut(self.adapter), cut(self.deadline), cut(self.tpot),
+                          cut(self.tenant))
 
 
 def sample_requests(profile: WorkloadProfile, arrival: np.ndarray,
