@@ -640,6 +640,14 @@ def lora(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome
     return Outcome(*run_lora(out, quick, seed, log, fanout))
 
 
+def ttca_multiturn(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
+    """Multi-turn TTCA with cache locality: conversations of KV lookups on the LAAR pool, ttca
+    against laar and the affinity / cache-aware routers (:mod:`duetime.experiments.multiturn`)."""
+    from duetime.experiments.multiturn import run_multiturn
+
+    return Outcome(*run_multiturn(out, quick, seed, log, fanout))
+
+
 def deadlines(out: Path, quick: bool, seed: int, log: Log, fanout: Fanout) -> Outcome:
     """Completion deadlines under length uncertainty: sfs-deadline against TTFT-only sfs, the
     median length in a finish forecast, llm-d's SLO scorer and load-aware
@@ -653,7 +661,8 @@ EXPERIMENTS: dict[str, Callable[..., Outcome]] = {
     "demo": demo, "load-sweep": load_sweep, "delta-sweep": delta_sweep,
     "composition": composition, "bursty": bursty, "estimators": estimators, "ttca": ttca,
     "prefix": prefix, "scale": scale, "replicas": replicas, "plan": plan,
-    "autoscale": autoscale, "lora": lora, "deadlines": deadlines}
+    "autoscale": autoscale, "lora": lora, "deadlines": deadlines,
+    "ttca-multiturn": ttca_multiturn}
 
 
 def run_experiment(name: str, out: Path, *, quick: bool = False, seed: int = 0,
