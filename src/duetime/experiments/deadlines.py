@@ -15,9 +15,10 @@ baseline's on the synthetic set (docs/predict.md, "Evaluation"); the simulator's
 Routers: ``sfs-deadline`` (finish at the q = 0.9 length meets the deadline), ``median-finish``
 (the same rule with the median length plugged into the finish forecast: ``sfs-deadline`` with
 q = 0.5), ``sfs`` (TTFT only), ``slo-headroom`` (llm-d's predicted-latency SLO scorer,
-reimplemented from its published rule; no quality, no deadline) and ``load-aware``. Two
-references: ``sfs-deadline`` at other q (:data:`Q_SWEEP`), and ``sfs-deadline`` and ``sfs``
-told every request's exact length (what the length predictor's error costs).
+reimplemented from its published rule; no quality, no deadline) and ``load-aware``. The
+references: ``sfs-deadline`` at other q (:data:`Q_SWEEP`), without its steady decode
+(``steady`` 0: the replay's draining batch), and ``sfs-deadline`` and ``sfs`` told every
+request's exact length (what the length predictor's error costs).
 Metrics per router and rate: on deadline, OnTimeUtility by deadline (utility x 1{finished by
 the deadline}), TPOT attainment, TTFT on time; per class too. ``summary.json``:
 ``gain_vs_ttft_sfs`` and ``gain_vs_median_length`` (OnTimeUtility-by-deadline AUC over the
@@ -64,6 +65,7 @@ ROUTERS = (("sfs-deadline", "sfs-deadline", ()),
            ("slo-headroom", "slo-headroom", ()),
            ("load-aware", "load-aware", ()))
 Q_SWEEP = (0.8, 0.95, 0.98)
+DRAINING = (("sfs-deadline, draining", "sfs-deadline", (("steady", 0),)),)  # (the replay as is)
 EXACT = (("sfs-deadline, exact lengths", "sfs-deadline", ()), ("sfs, exact lengths", "sfs", ()))
 RATES = (3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0)
 QUICK_RATES = (3.0, 5.0, 7.0, 9.0)
@@ -151,7 +153,7 @@ def run_deadlines(out: Path, quick: bool, seed: int, log: Any, fanout: Fanout
     jobs = []
     for rate in rates:
         stream = make_stream(profile, rate, n, seed)
-        for r, routers in ((runner, ROUTERS + sweep), (exact, EXACT)):
+        for r, routers in ((runner, ROUTERS + sweep + DRAINING), (exact, EXACT)):
             for label, router, params in routers:
                 p = Point(router, rate, n, label=label, params=params)
                 r.set_stream(p, stream)
@@ -159,7 +161,7 @@ def run_deadlines(out: Path, quick: bool, seed: int, log: Any, fanout: Fanout
     got = run_points(jobs, fanout, progress=log, keep=lambda p: True)
     rows = [row for row, _ in got]
     kept = {p: res for (_, p), (_, res) in zip(jobs, got, strict=True)}
-    names = [label for label, _, _ in ROUTERS + sweep + EXACT]
+    names = [label for label, _, _ in ROUTERS + sweep + DRAINING + EXACT]
     by_class = [r for p, res in kept.items() for r in _class_rows(p.name, p.rate, res)]
     aucs = {r: auc(rates, [x["deadline_utility"] for x in rows if x["router"] == r])
             for r in names}

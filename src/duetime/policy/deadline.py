@@ -16,9 +16,9 @@ The replay's decode speeds up as the batch it starts beside drains; a pool under
 refills it (the requests routed there meanwhile join). So by default (``steady``) the time per
 output token over the finish is at least that of the next ``STEADY_TOKENS`` tokens: on the
 ``deadlines`` experiment's pool with exact lengths the drained forecast's finish was short by
-15% at the median (97% at p90) at 5 q/s, the steady one by 7% (68%), and sfs-deadline's
-OnTimeUtility-by-deadline AUC rose from 2.52 to 2.67 with the predictor's lengths (2,000
-requests per rate, 3-9 q/s; docs/simulator.md, "Completion deadlines").
+9.8% at the median (82% at p90) at 5 q/s, the steady one by 5.0% (63%)
+(``benchmarks/finish_forecast_error.py``), and sfs-deadline's OnTimeUtility-by-deadline AUC
+rose from 2.49 to 2.64 (docs/simulator.md, "Completion deadlines").
 
 Candidates are forecast best utility first and the first that qualifies is taken, so a
 decision costs what ``sfs``'s lazy search does when the best model qualifies — one finish
