@@ -200,6 +200,21 @@ def test_simulate_command(tmp_path, capsys) -> None:
     assert "| sfs |" in capsys.readouterr().out
 
 
+def test_simulate_through_the_admission_queue(tmp_path, capsys) -> None:
+    """``--admission-queue N``: a saturated pool's late forecasts wait in the gateway's queue
+    (summary ``queued``, ``p90_queue_s``); one router, open loop only."""
+    out = tmp_path / "queued"
+    assert main(["simulate", "--policy", "sfs", "--workload", "demo", "--rate", "20",
+                 "--requests", "1200", "--admission-queue", "256", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["queued"] > 0.05 and summary["p90_queue_s"] > 0
+    assert "p90_queue_s" in capsys.readouterr().out
+    code = main(["simulate", "--policy", "sfs", "--rate", "2", "--requests", "10",
+                 "--clients", "2", "--admission-queue", "8", "--out", str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--admission-queue runs an open loop" in err and err.count("\n") == 1
+
+
 def test_simulate_bad_workload(tmp_path, capsys) -> None:
     code = main(["simulate", "--policy", "sfs", "--rate", "6", "--requests", "10",
                  "--workload", str(tmp_path / "none.yaml"), "--out", str(tmp_path)])

@@ -112,10 +112,17 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
     args.rate = args.rate or 1.0
     args.requests = args.requests or 1
     fleet = _fleet(args, profile, error)
+    if args.admission_queue is not None:
+        if args.admission_queue < 0:
+            raise error(f"--admission-queue must be >= 0, got {args.admission_queue}")
+        if args.clients is not None or fleet is not None:
+            raise error("--admission-queue runs an open loop with one router: drop --clients "
+                        "and --routers")
     runner = Runner(profile, seed=args.seed, noise=args.noise,
                     length_error=args.length_error, quality=args.quality,
                     charge_overhead=args.charge_overhead, prefix_caching=args.prefix_caching,
-                    cache_view=args.cache_view, step_scale=args.step_scale)
+                    cache_view=args.cache_view, step_scale=args.step_scale,
+                    admission_queue=args.admission_queue)
     try:
         params = check_params(args.policy, dict(args.policy_param or ()), "--policy-param")
     except PolicyError as e:
@@ -146,6 +153,8 @@ def _cmd_simulate(args: argparse.Namespace, error: type[Exception]) -> int:
         if "step_factor" in row:
             cols[cols.index("mean_ttft_s"):cols.index("mean_ttft_s")] = [
                 "step_scale", "step_factor", "forecast_mape"]
+    if args.admission_queue is not None:
+        cols[cols.index("wall_s"):cols.index("wall_s")] = ["queued", "p90_queue_s"]
     per_instance = res.instance_cache_hit_rate
     if per_instance is not None:  # some instance caches prefixes
         summary["cache_view"] = args.cache_view
@@ -311,6 +320,11 @@ def add_commands(sub: Any, command: Any, error: type[Exception]) -> None:
                    help="with --routers: each router's views learn their instance's step time "
                    "from the token counts its requests stream, as the gateway's "
                    "state.step_correction")
+    p.add_argument("--admission-queue", type=int, default=None, metavar="N",
+                   help="the gateway's admission queue in front of the pool, at most N waiting "
+                   "(as admission.max_queued): a request whose best forecast misses its TTFT "
+                   "target waits as a critical one does in the gateway, released by first "
+                   "tokens and ends (open loop, one router)")
     p.add_argument("--charge-overhead", action="store_true",
                    help="delay each request by the measured routing time")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default 0)")

@@ -18,6 +18,7 @@ from duetime.experiments.fanout import Fanout
 from duetime.metrics import summarize
 from duetime.policy import Policy, make_policy
 from duetime.sim import ClusterSim, SimResult
+from duetime.sim.admission import SimAdmission
 from duetime.sim.cluster import LengthModel
 from duetime.sim.fleet import FleetSpec, RouterFleet
 from duetime.workload import RequestSet, WorkloadProfile, make_arrivals, sample_requests
@@ -61,6 +62,9 @@ class Runner:
     # picklable where the runs fan out); None: the truth x U(1 -+ length_error), no p90
     length_model: LengthModel | None = None
     length_p90_model: LengthModel | None = None
+    # the gateway's admission queue in front of the pool, at most this many waiting
+    # (ClusterSim(admission=SimAdmission(...))); None: none
+    admission_queue: int | None = None
     _streams: dict[tuple, RequestSet] = field(default_factory=dict)
 
     @staticmethod
@@ -92,7 +96,9 @@ class Runner:
                          charge_overhead=self.charge_overhead, shadow_estimators=shadow,
                          prefix_caching=self.prefix_caching, cache_view=self.cache_view,
                          step_scale=self.step_scale, length_model=self.length_model,
-                         length_p90_model=self.length_p90_model)
+                         length_p90_model=self.length_p90_model,
+                         admission=None if self.admission_queue is None
+                         else SimAdmission(self.admission_queue))
         res = sim.run(self.requests(p), closed_loop=closed_loop)
         row: dict[str, Any] = {"router": p.name, "rate": p.rate, "arrivals": p.arrivals}
         if closed_loop is not None:
