@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import statistics
 import subprocess
 import threading
 import time
@@ -405,9 +406,24 @@ def test_calibrate_and_validate_with_adapters(lora_server: LoraServer, tmp_path:
     c = entry["batch_time"]["coefficients"]
     assert entry["config"]["max_loras"] == MAX_LORAS
     assert "lora prefill" in text and "lora decode" in text  # (the fit's comment)
-    # a one-token decode step costs more on an adapter (measured there: 2.6 -> 4.1-4.3 ms)
+    # A decode step costs more on an adapter (measured on an idle machine: 2.6 -> 4.1-4.3 ms)
+    # -- a premise measured here again, as the fit sees the server now: lone 48-token greedy
+    # decodes on the adapter against the base model, interleaved (a busy moment can hide the
+    # difference, and then the fit rightly finds none: seen in CI, lora_step = lora_decode = 0)
     base_step = c["b0"] + c["b1"]
-    assert c.get("lora_step", 0) + c.get("lora_decode", 0) > 0.1 * base_step, c
+    lone: dict[str, list[float]] = {MODEL: [], STATIC[0]: []}
+    with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as direct:
+        for _ in range(5):
+            for m, times in lone.items():
+                t0 = time.perf_counter()
+                assert _complete(direct, m, 48).status_code == 200
+                times.append(time.perf_counter() - t0)
+    extra = (statistics.median(lone[STATIC[0]]) - statistics.median(lone[MODEL])) / 47
+    priced = c.get("lora_step", 0) + c.get("lora_decode", 0)
+    if extra > 0.3 * base_step:  # (clearly slower on the adapter now: the fit must see it)
+        assert priced > 0.1 * base_step, (c, extra)
+    else:  # (no clear difference now: the fit must not make one up)
+        assert priced < 0.3 * base_step + max(extra, 0.0) * 2, (c, extra)
     out = tmp_path / "val"
     assert main(["validate", lora_server.base_url, "--model", MODEL, "--profile", str(profile),
                  "--out", str(out), "--loads", "0.5", "--requests", "24", "--max-prompt",
