@@ -389,38 +389,55 @@ def test_calibrate_and_validate_with_adapters(lora_server: LoraServer, tmp_path:
     from duetime.cli import main
 
     profile = tmp_path / "profile.yaml"
+
+    def calibrate() -> dict[str, Any]:
+        """The profile ``duetime calibrate --lora`` writes (retried on a failed probe: seen in
+        CI, no decode sample at all — tiny-small's API server, on a busy machine, packs a
+        stream's tokens into one or two chunks — a busy moment, not the fit: the suite's own
+        calibration tries again too, conftest.CALIBRATION_ATTEMPTS)."""
+        for attempt in range(1, CALIBRATION_ATTEMPTS + 1):
+            rc = main(["calibrate", lora_server.base_url, "--model", MODEL,
+                       "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
+                       "--max-model-len", "2048", "--reps", "2", "--lora", STATIC[0],
+                       "--max-loras", str(MAX_LORAS), "--out", str(profile)])
+            if rc == 0:
+                break
+            print(f"calibrate --lora: attempt {attempt}: {capsys.readouterr().err.strip()}")
+        assert rc == 0
+        text = profile.read_text()
+        assert "lora prefill" in text and "lora decode" in text  # (the fit's comment)
+        return yaml.safe_load(text)
+
+    def lone_extra_per_token() -> float:
+        """What a decode step costs more on the adapter now, per token: lone 48-token greedy
+        decodes on the adapter against the base model, interleaved."""
+        lone: dict[str, list[float]] = {MODEL: [], STATIC[0]: []}
+        with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as direct:
+            for _ in range(5):
+                for m, times in lone.items():
+                    t0 = time.perf_counter()
+                    assert _complete(direct, m, 48).status_code == 200
+                    times.append(time.perf_counter() - t0)
+        return (statistics.median(lone[STATIC[0]]) - statistics.median(lone[MODEL])) / 47
+
+    # A decode step costs more on an adapter (measured on an idle machine: 2.6 -> 4.1-4.3 ms),
+    # a premise measured here again as the server is now. Where it holds, the fit must price
+    # it; a fit that did not (seen in CI twice: lora_step = lora_decode = 0 while the lone
+    # decodes measured ~80% slower on the adapter — the probes' busy moments, the fit's
+    # residuals left to the prefill term) is calibrated again, CALIBRATION_ATTEMPTS in all.
     for attempt in range(1, CALIBRATION_ATTEMPTS + 1):
-        rc = main(["calibrate", lora_server.base_url, "--model", MODEL,
-                   "--max-num-batched-tokens", "512", "--max-num-seqs", "8",
-                   "--max-model-len", "2048", "--reps", "2", "--lora", STATIC[0],
-                   "--max-loras", str(MAX_LORAS), "--out", str(profile)])
-        # (seen in CI: no decode sample at all — tiny-small's API server, on a busy machine,
-        # packs a stream's tokens into one or two chunks — a busy moment, not the fit: the
-        # suite's own calibration tries again too, conftest.CALIBRATION_ATTEMPTS)
-        if rc == 0:
+        entry = calibrate()
+        c = entry["batch_time"]["coefficients"]
+        assert entry["config"]["max_loras"] == MAX_LORAS
+        base_step = c["b0"] + c["b1"]
+        priced = c.get("lora_step", 0) + c.get("lora_decode", 0)
+        extra = lone_extra_per_token()
+        slower = extra > 0.3 * base_step  # (clearly slower on the adapter now)
+        if not slower or priced > 0.1 * base_step:
             break
-        print(f"calibrate --lora: attempt {attempt}: {capsys.readouterr().err.strip()}")
-    assert rc == 0
-    text = profile.read_text()
-    entry = yaml.safe_load(text)
-    c = entry["batch_time"]["coefficients"]
-    assert entry["config"]["max_loras"] == MAX_LORAS
-    assert "lora prefill" in text and "lora decode" in text  # (the fit's comment)
-    # A decode step costs more on an adapter (measured on an idle machine: 2.6 -> 4.1-4.3 ms)
-    # -- a premise measured here again, as the fit sees the server now: lone 48-token greedy
-    # decodes on the adapter against the base model, interleaved (a busy moment can hide the
-    # difference, and then the fit rightly finds none: seen in CI, lora_step = lora_decode = 0)
-    base_step = c["b0"] + c["b1"]
-    lone: dict[str, list[float]] = {MODEL: [], STATIC[0]: []}
-    with httpx.Client(base_url=lora_server.base_url, timeout=TIMEOUT) as direct:
-        for _ in range(5):
-            for m, times in lone.items():
-                t0 = time.perf_counter()
-                assert _complete(direct, m, 48).status_code == 200
-                times.append(time.perf_counter() - t0)
-    extra = (statistics.median(lone[STATIC[0]]) - statistics.median(lone[MODEL])) / 47
-    priced = c.get("lora_step", 0) + c.get("lora_decode", 0)
-    if extra > 0.3 * base_step:  # (clearly slower on the adapter now: the fit must see it)
+        print(f"calibrate --lora: attempt {attempt}: LoRA decode unpriced ({c}) while the "
+              f"adapter measures {extra * 1e3:.2f} ms/token slower")
+    if slower:  # (the fit must see it)
         assert priced > 0.1 * base_step, (c, extra)
     else:  # (no clear difference now: the fit must not make one up)
         assert priced < 0.3 * base_step + max(extra, 0.0) * 2, (c, extra)
