@@ -38,11 +38,11 @@ from duetime.experiments import report as rp
 from duetime.experiments.fanout import Fanout
 from duetime.experiments.runner import Point, Runner, run_points
 from duetime.metrics import auc, deadline_met, tpot_met
+from duetime.policy.deadline import Z90
 from duetime.sim import SimResult
 from duetime.workload import RequestSet, WorkloadProfile, load_workload, make_arrivals
 from duetime.workload.requests import sample_requests
 
-Z90 = 1.2815515655446004
 MODEL_JITTER = 0.1  # sample_requests: each model's length = the request's x exp(N(0, 0.1))
 
 
